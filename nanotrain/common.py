@@ -1,0 +1,208 @@
+"""
+Runtime helpers shared by every script: device choice, torchrun / torch.distributed set-up and tear-down,
+rank-0 printing, seeding, the base directory for data and checkpoints, clean one-line errors, atomic writes.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class UserError(Exception):
+    """Bad input from the user (a flag, a file, a setting). Scripts print it as one line and exit non-zero."""
+
+
+def die(msg, code=2):
+    """Print `error: msg` as one line to stderr (rank 0 only under torchrun) and exit with `code`."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    sys.exit(code)
+
+
+def get_base_dir():
+    """The directory for data, tokenizer, checkpoints and caches: $NANOTRAIN_BASE_DIR or ~/.cache/nanotrain."""
+    base = os.environ.get("NANOTRAIN_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanotrain")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def get_dist_info():
+    """Returns (is_ddp, rank, local_rank, world_size) from the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE)."""
+    if all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    return False, 0, 0, 1
+
+
+def is_master():
+    return get_dist_info()[1] == 0
+
+
+def print0(*args, **kwargs):
+    """print() on rank 0 only, flushed."""
+    if is_master():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def autodetect_device_type():
+    """'cuda' if available, else 'mps', else 'cpu'."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def seed_everything(seed):
+    """Seeds Python's, NumPy's and torch's (CPU and CUDA) generators."""
+    random.seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed % (2**32))
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+
+
+def compute_init(device_type=""):
+    """
+    Sets up the device and, under torchrun, the process group (nccl on CUDA, gloo otherwise), one device per
+    local rank. `device_type` is "cuda", "mps", "cpu" or "" for autodetect.
+    Returns (is_ddp, rank, local_rank, world_size, device). Raises UserError for an unknown or unavailable device.
+    """
+    device_type = device_type or autodetect_device_type()
+    if device_type not in ("cuda", "mps", "cpu"):
+        raise UserError(f"--device_type={device_type!r}: expected one of 'cuda', 'mps', 'cpu' or '' (autodetect)")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device_type=cuda but torch.cuda.is_available() is False (CPU-only torch or no GPU)")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device_type=mps but MPS is not available on this machine")
+    is_ddp, rank, local_rank, world_size = get_dist_info()
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if is_ddp:
+        if device_type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            device = torch.device(device_type)
+            dist.init_process_group(backend="gloo")
+            # one process per core group: split the cores among the local ranks
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        dist.barrier()
+    else:
+        device = torch.device(device_type)
+    return is_ddp, rank, local_rank, world_size, device
+
+
+def compute_cleanup():
+    """Destroys the process group if one is up (safe to call twice, on error paths too)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def atomic_write_text(path, text):
+    """Writes `text` to `path` through a temp file in the same directory and os.replace (never a torn file)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path, obj):
+    """atomic_write_text of json.dumps(obj, indent=2)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def git_commit():
+    """The repo's git commit hash (with '-dirty' if there are local changes), or 'unknown'."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        return "unknown"
+
+
+def synchronize(device):
+    """Waits for queued device work (CUDA/MPS); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+# bf16 dense peak FLOP/s of known accelerators, from the vendors' datasheets
+# (NVIDIA H100 SXM / H200 SXM datasheet: 989.4 TFLOPS dense bf16; A100 datasheet: 312 TFLOPS bf16).
+GPU_PEAK_FLOPS = [
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10", 125e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+]
+
+
+def measure_matmul_flops(dtype=torch.float32, n=1024, seconds=1.0, device="cpu"):
+    """
+    Measures the device's dense matmul throughput in FLOP/s with (n, n) @ (n, n) products of `dtype`
+    for about `seconds` seconds (best of repeated timings). Used as the MFU peak on CPU.
+    """
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    dev = torch.device(device)
+    for _ in range(2):
+        a @ b
+    synchronize(dev)
+    best = 0.0
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        synchronize(dev)
+        dt = time.perf_counter() - t0
+        best = max(best, 4 * 2 * n**3 / dt)
+    return best
+
+
+def get_peak_flops(device, dtype=torch.float32):
+    """
+    Peak FLOP/s used for MFU. On CUDA: the bf16 dense figure of a known device from GPU_PEAK_FLOPS, or the measured
+    matmul throughput if the device is not in the table. On CPU/MPS: the matmul throughput measured now in `dtype`.
+    Returns (flops_per_second, source description).
+    """
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_FLOPS:
+            if key in name:
+                return flops, f"{name} bf16 dense datasheet peak"
+        return measure_matmul_flops(torch.bfloat16, 4096, 1.0, device), f"{name} measured bf16 matmul"
+    flops = measure_matmul_flops(dtype, 1024, 1.0, device)
+    return flops, f"measured {str(dtype).replace('torch.', '')} matmul on {device.type}"
