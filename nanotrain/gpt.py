@@ -1,0 +1,307 @@
+"""
+The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), itself after nanoGPT/modded-nanogpt:
+- rotary position embeddings (Su et al. 2021, "RoFormer"), base 10000, no learned positions
+- QK norm (applied after rotary, as nanochat does), parameter-free RMSNorm (F.rms_norm), norm after the embedding
+- pre-norm blocks, no biases, ReLU^2 MLP with 4x width (So et al. 2021, "Primer"), untied wte / lm_head
+- logit soft-cap 15 * tanh(logits / 15) in fp32 (Gemma 2 / modded-nanogpt), optional GQA (Ainslie et al. 2023)
+- zero-initialised output projections; Muon for block matrices, AdamW for embedding and lm_head.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanotrain.common import UserError, print0
+from nanotrain.muon import Muon
+
+try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenever it is absent
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+ROTARY_BASE = 10000
+SOFTCAP = 15.0
+
+
+@dataclass
+class GPTConfig:
+    max_seq_len: int = 2048  # tokens of context in training
+    vocab_size: int = 32768
+    n_layer: int = 12
+    n_head: int = 6  # query heads
+    n_kv_head: int = 6  # key/value heads (GQA when < n_head)
+    model_dim: int = 768
+
+
+def config_from_depth(depth, vocab_size, max_seq_len):
+    """
+    nanochat's depth -> size rule: model_dim = 64 * depth, head_dim 128 where possible (n_head = ceil(model_dim/128),
+    reduced until it divides model_dim), n_kv_head = n_head. Returns a GPTConfig. Raises UserError if depth < 1.
+    """
+    if depth < 1:
+        raise UserError(f"--depth={depth}: expected an integer >= 1")
+    model_dim = depth * 64
+    n_head = max(1, math.ceil(model_dim / 128))
+    while model_dim % n_head != 0:
+        n_head -= 1
+    return GPTConfig(max_seq_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                     n_kv_head=n_head, model_dim=model_dim)
+
+
+def norm(x):
+    """Parameter-free RMSNorm over the last dimension (any shape, dtype preserved)."""
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def apply_rotary_emb(x, cos, sin):
+    """Rotates the two halves of the head dim. x: (B, T, H, D); cos, sin: (1, T, 1, D/2). Returns x's shape/dtype."""
+    d = x.size(3) // 2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
+
+
+class KVCache:
+    """
+    Preallocated keys/values for generation. k_cache, v_cache: (n_layer, batch_size, n_kv_head, max_len, head_dim)
+    of `dtype` on `device`; `pos` is the number of tokens already stored. A forward with the cache inserts its T new
+    tokens at `pos` in every layer and `pos` advances by T after the last layer.
+    """
+
+    def __init__(self, batch_size, n_kv_head, head_dim, n_layer, max_len, device, dtype):
+        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
+
+    def reset(self):
+        """Forgets the stored tokens (the memory is reused)."""
+        self.pos = 0
+
+    def insert_kv(self, layer_idx, k, v):
+        """
+        Stores k, v (B, n_kv_head, T, head_dim) at positions pos..pos+T-1 of layer `layer_idx` and returns that layer's
+        keys and values for positions 0..pos+T-1, each (B, n_kv_head, pos+T, head_dim) in the cache dtype.
+        Raises ValueError when the cache would overflow max_len.
+        """
+        t0, t1 = self.pos, self.pos + k.size(2)
+        if t1 > self.max_len:
+            raise ValueError(f"KVCache overflow: {t1} tokens > max_len {self.max_len}")
+        self.k_cache[layer_idx, :, :, t0:t1] = k
+        self.v_cache[layer_idx, :, :, t0:t1] = v
+        if layer_idx == self.n_layer - 1:
+            self.pos = t1
+        return self.k_cache[layer_idx, :, :, :t1], self.v_cache[layer_idx, :, :, :t1]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx, self.n_head, self.n_kv_head = layer_idx, config.n_head, config.n_kv_head
+        self.head_dim = config.model_dim // config.n_head
+        d = config.model_dim
+        self.c_q = nn.Linear(d, self.n_head * self.head_dim, bias=False)
+        self.c_k = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
+        self.c_v = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x, cos_sin, kv_cache=None):
+        B, T, _ = x.size()
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        q, k = apply_rotary_emb(q, *cos_sin), apply_rotary_emb(k, *cos_sin)
+        q, k = norm(q).to(v.dtype), norm(k).to(v.dtype)  # QK norm (autocast may have upcast the norm)
+        if kv_cache is None and flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            y = flash_attn_func(q, k, v, causal=True)  # (B, T, H, D) layout, GQA handled natively
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
+            gqa = self.n_kv_head != self.n_head
+            if kv_cache is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                k, v = kv_cache.insert_kv(self.layer_idx, k, v)
+                k, v = k.to(q.dtype), v.to(q.dtype)
+                Tq, Tk = q.size(2), k.size(2)
+                if Tq == Tk:  # prefill from position 0: plain causal
+                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                elif Tq == 1:  # one decode token sees the whole prefix
+                    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+                else:  # chunk at pos > 0: the prefix is visible, causal within the chunk
+                    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            y = y.transpose(1, 2)
+        return self.c_proj(y.contiguous().view(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.model_dim, 4 * config.model_dim, bias=False)
+        self.c_proj = nn.Linear(4 * config.model_dim, config.model_dim, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos_sin, kv_cache=None):
+        x = x + self.attn(norm(x), cos_sin, kv_cache)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    """
+    Decoder-only transformer (see the module docstring). Build on any device, including `torch.device("meta")`
+    followed by `model.to_empty(device=...)`; then call init_weights(). Raises UserError for an inconsistent config
+    (model_dim % n_head, n_head % n_kv_head, odd head_dim). Modules: wte, blocks[i].attn.{c_q,c_k,c_v,c_proj},
+    blocks[i].mlp.{c_fc,c_proj}, lm_head. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        c = config
+        if min(c.max_seq_len, c.vocab_size, c.n_layer, c.n_head, c.n_kv_head, c.model_dim) < 1:
+            raise UserError(f"GPTConfig: all sizes must be >= 1, got {c}")
+        if c.model_dim % c.n_head != 0 or c.n_head % c.n_kv_head != 0 or (c.model_dim // c.n_head) % 2 != 0:
+            raise UserError(f"GPTConfig: need model_dim % n_head == 0, n_head % n_kv_head == 0 and an even head_dim "
+                            f"(got model_dim={c.model_dim}, n_head={c.n_head}, n_kv_head={c.n_kv_head})")
+        self.config = config
+        self.head_dim = c.model_dim // c.n_head
+        self.wte = nn.Embedding(c.vocab_size, c.model_dim)
+        self.blocks = nn.ModuleList([Block(c, i) for i in range(c.n_layer)])
+        self.lm_head = nn.Linear(c.model_dim, c.vocab_size, bias=False)
+        self.rotary_len = 10 * c.max_seq_len  # so generation can run past max_seq_len
+        cos, sin = self._rotary(device=self.wte.weight.device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _rotary(self, device):
+        inv_freq = 1.0 / ROTARY_BASE ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+                                         / self.head_dim)
+        freqs = torch.outer(torch.arange(self.rotary_len, dtype=torch.float32, device=device), inv_freq)
+        return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+    def to_empty(self, *, device, recurse=True):
+        """nn.Module.to_empty, then recomputes the rotary buffers (to_empty leaves them uninitialised)."""
+        super().to_empty(device=device, recurse=recurse)
+        self.cos, self.sin = self._rotary(self.wte.weight.device)
+        return self
+
+    @torch.no_grad()
+    def init_weights(self):
+        """
+        nanochat v1 init, deterministic given torch's RNG state: wte ~ N(0, 1), lm_head ~ N(0, 0.001^2), c_q/c_k/c_v/
+        c_fc ~ U(-sqrt(3/model_dim), sqrt(3/model_dim)), both c_proj = 0. Also recomputes the rotary buffers.
+        """
+        self.cos, self.sin = self._rotary(self.wte.weight.device)
+        nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        bound = math.sqrt(3) / math.sqrt(self.config.model_dim)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+
+    def num_params(self):
+        """Total number of parameters (int), embedding and lm_head included; works on the meta device."""
+        return sum(p.numel() for p in self.parameters())
+
+    def estimate_flops(self):
+        """
+        Training FLOPs per token (float), PaLM appendix B (Chowdhery et al. 2022) as in nanochat:
+        6 * (params - wte params) + 12 * n_layer * n_head * head_dim * max_seq_len (attention scores and values).
+        """
+        c = self.config
+        return float(6 * (self.num_params() - self.wte.weight.numel())
+                     + 12 * c.n_layer * c.n_head * self.head_dim * c.max_seq_len)
+
+    def setup_optimizers(self, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, weight_decay=0.0,
+                         adam_betas=(0.8, 0.95)):
+        """
+        Returns [adamw, muon] as in nanochat v0/v1: torch AdamW (betas adam_betas, eps 1e-10, fused on CUDA, foreach
+        elsewhere) for lm_head (unembedding_lr * s) and wte (embedding_lr * s) with s = (model_dim/768)**-0.5,
+        Muon (lr matrix_lr, momentum 0.95) for all block matrices. Every param group gets "initial_lr" = its lr.
+        Plain single-process optimizers: under DDP the gradients are averaged before step().
+        """
+        matrix_params = list(self.blocks.parameters())
+        groups = [([self.lm_head.weight], unembedding_lr), ([self.wte.weight], embedding_lr)]
+        all_ids = [id(p) for p in matrix_params] + [id(p) for ps, _ in groups for p in ps]
+        assert len(all_ids) == len(set(all_ids)) and set(all_ids) == {id(p) for p in self.parameters()}
+        scale = (self.config.model_dim / 768) ** -0.5
+        print0(f"Scaling the LR for the AdamW parameters ∝1/√({self.config.model_dim}/768) = {scale:.6f}")
+        on_cuda = self.wte.weight.device.type == "cuda"
+        adamw = torch.optim.AdamW([dict(params=ps, lr=lr * scale) for ps, lr in groups], betas=adam_betas, eps=1e-10,
+                                  weight_decay=weight_decay, fused=True if on_cuda else None,
+                                  foreach=None if on_cuda else True)
+        muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95)
+        for opt in (adamw, muon):
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"]
+        return [adamw, muon]
+
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+        """
+        idx: int64 (B, T) token ids. Without targets returns fp32 logits (B, T, vocab_size) (soft-capped at +-15).
+        With targets (int64 (B, T), -1 = ignored) returns the fp32 cross-entropy: a scalar for loss_reduction "mean"
+        or "sum", (B*T,) for "none" (0 at ignored positions). With kv_cache, the T tokens sit at positions
+        kv_cache.pos.. and attend to the cached prefix. Raises ValueError past the rotary table (10 * max_seq_len).
+        """
+        B, T = idx.size()
+        t0 = 0 if kv_cache is None else kv_cache.pos
+        if t0 + T > self.rotary_len:
+            raise ValueError(f"sequence end {t0 + T} exceeds the rotary table length {self.rotary_len}")
+        cos_sin = self.cos[:, t0:t0 + T], self.sin[:, t0:t0 + T]
+        x = norm(self.wte(idx))
+        for block in self.blocks:
+            x = block(x, cos_sin, kv_cache)
+        logits = self.lm_head(norm(x)).float()
+        logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
+                               reduction=loss_reduction)
+
+    @torch.inference_mode()
+    def generate(self, tokens, max_tokens, temperature=0.0, top_k=None, seed=42):
+        """
+        Yields max_tokens new token ids (int), one at a time, continuing the prompt `tokens` (list[int]) with a
+        KV cache (prefill the prompt, then one token per forward). temperature 0 is greedy (argmax); otherwise
+        sampling from softmax(logits / temperature), restricted to the top_k logits if given, with a torch.Generator
+        seeded with `seed` on the model's device. The model has no dropout; train/eval mode is left untouched.
+        Raises UserError for an empty prompt, a negative temperature, or prompt + max_tokens > 10 * max_seq_len.
+        """
+        if len(tokens) == 0:
+            raise UserError("generate: the prompt is empty (expected at least one token, e.g. <|bos|>)")
+        if temperature < 0:
+            raise UserError(f"generate: temperature must be >= 0, got {temperature}")
+        if len(tokens) + max_tokens > self.rotary_len:
+            raise UserError(f"generate: prompt ({len(tokens)}) + max_tokens ({max_tokens}) exceeds "
+                            f"{self.rotary_len} tokens (10 * max_seq_len)")
+        device = self.wte.weight.device
+        rng = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else self.wte.weight.dtype
+        c = self.config
+        kv_cache = KVCache(1, c.n_kv_head, self.head_dim, c.n_layer, len(tokens) + max_tokens, device, dtype)
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        for _ in range(max_tokens):
+            logits = self.forward(ids, kv_cache=kv_cache)[:, -1, :]  # (1, vocab_size) fp32
+            if temperature == 0:
+                ids = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
+            yield ids.item()

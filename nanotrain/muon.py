@@ -1,0 +1,94 @@
+"""
+Muon: MomentUm Orthogonalized by Newton-Schulz, the optimizer nanochat uses for the 2-D matrices of the transformer
+blocks. Source: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (blog post, 2024,
+https://kellerjordan.github.io/posts/muon/) and KellerJordan/modded-nanogpt; nanochat v0/v1 `nanochat/muon.py`.
+
+Plain single-process optimizer: under DDP the gradients are already averaged when step() runs, so every rank
+computes the same update.
+"""
+
+import torch
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz coefficients (Keller Jordan 2024, modded-nanogpt)
+
+
+@torch.no_grad()
+def zeropower_via_newtonschulz5(G, steps=5, dtype=None):
+    """
+    Approximate orthogonalisation of G (the polar factor U V^T of G = U S V^T) by `steps` iterations of the quintic
+    Newton-Schulz map X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315).
+    Source: Keller Jordan, "Muon" (2024) and modded-nanogpt.
+
+    The coefficients trade exactness for speed: singular values are not driven to exactly 1 but into a band around
+    it (about 0.68..1.2 once converged; the tiniest ones of a near-singular input may still be below it after 5
+    steps), which is all Muon needs.
+
+    G: (..., rows, cols) tensor of any float dtype; X is first divided by its Frobenius norm (+1e-7) so the spectral
+    norm is <= 1, and the iteration runs on the wide orientation (transposed when rows > cols).
+    dtype: compute dtype; default bf16 on CUDA, fp32 elsewhere (bf16 matmuls are slow on CPU).
+    Returns a tensor of G's shape in the compute dtype. Raises ValueError if G has fewer than 2 dimensions.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"zeropower_via_newtonschulz5 expects a matrix, got shape {tuple(G.shape)}")
+    if dtype is None:
+        dtype = torch.bfloat16 if G.is_cuda else torch.float32
+    a, b, c = NS_COEFFS
+    X = G.float()
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype)
+    transposed = G.size(-2) > G.size(-1)
+    if transposed:
+        X = X.mT
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transposed else X
+
+
+class Muon(torch.optim.Optimizer):
+    """
+    Muon optimizer for 2-D parameters (Keller Jordan 2024; modded-nanogpt; nanochat v0/v1).
+
+    Per parameter p (rows, cols) with gradient g, each step:
+        buf = lerp(buf, g, 1 - momentum)                       # EMA momentum buffer, starts at zero
+        u = lerp(g, buf, momentum) if nesterov else buf        # Nesterov-style look-ahead
+        u = zeropower_via_newtonschulz5(u, ns_steps)           # orthogonalise
+        p -= lr * sqrt(max(1, rows / cols)) * u
+    lr and momentum are read from the param group at every step (schedules may change them, e.g. the momentum
+    warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped. state_dict/load_state_dict are the standard
+    torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p).
+    Raises ValueError for a parameter that is not 2-D or for a negative lr/momentum.
+    """
+
+    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5):
+        if lr < 0 or not 0 <= momentum < 1:
+            raise ValueError(f"Muon: expected lr >= 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon only handles 2-D parameters, got shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Muon update of every parameter that has a gradient. Returns closure() if given, else None."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g)
+                buf = state["momentum_buffer"]
+                buf.lerp_(g, 1 - momentum)
+                update = g.lerp(buf, momentum) if group["nesterov"] else buf
+                update = zeropower_via_newtonschulz5(update, steps=group["ns_steps"])
+                scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                p.add_(update.to(p.dtype), alpha=-lr * scale)
+        return loss

@@ -1,0 +1,255 @@
+"""Tests for nanotrain/gpt.py on tiny fp32 models on CPU."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanotrain.common import UserError
+from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
+
+pytestmark = pytest.mark.unit
+
+TINY = dict(vocab_size=256, n_layer=2, model_dim=64, n_head=2, n_kv_head=2, max_seq_len=32)
+
+
+def make_model(seed=0, randomize=True, **overrides):
+    """A tiny initialised model. randomize=True also fills the zero-initialised projections and the (tiny) lm_head
+    with random values: at init every c_proj is 0, so attention has no effect and cache or causality bugs would be
+    invisible."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{**TINY, **overrides}))
+    model.init_weights()
+    if randomize:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name != "wte.weight":
+                    p.normal_(0.0, 1.0 / math.sqrt(p.size(1)))
+    return model
+
+
+def random_idx(B, T, vocab=256, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (B, T), generator=g)
+
+
+def test_config_from_depth():
+    """Catches a wrong width/head rule (e.g. head_dim 64 instead of 128, or n_head not dividing model_dim)."""
+    c = config_from_depth(20, 65536, 2048)
+    assert (c.model_dim, c.n_head, c.n_kv_head, c.n_layer) == (1280, 10, 10, 20)
+    assert (config_from_depth(4, 256, 32).model_dim, config_from_depth(4, 256, 32).n_head) == (256, 2)
+    assert (config_from_depth(1, 256, 32).model_dim, config_from_depth(1, 256, 32).n_head) == (64, 1)
+    c3 = config_from_depth(3, 256, 32)
+    assert c3.model_dim == 192 and 192 % c3.n_head == 0
+    for depth in range(1, 40):
+        c = config_from_depth(depth, 256, 32)
+        assert c.model_dim % c.n_head == 0 and (c.model_dim // c.n_head) % 2 == 0
+    with pytest.raises(UserError):
+        config_from_depth(0, 256, 32)
+
+
+def test_param_count_depth20_on_meta():
+    """Matches nanochat's table (561.0M = 393.2M blocks + 2 x 83.9M embeddings); catches biases, tied embeddings,
+    a wrong MLP width or extra parameters. Built on meta, so it allocates nothing."""
+    with torch.device("meta"):
+        model = GPT(config_from_depth(20, 65536, 2048))
+    blocks = sum(p.numel() for p in model.blocks.parameters())
+    assert blocks == 20 * 12 * 1280**2  # 393.2M
+    assert model.wte.weight.numel() == model.lm_head.weight.numel() == 65536 * 1280  # 83.9M each
+    assert model.num_params() == 560_988_160
+    assert round(model.num_params() / 1e6, 1) == 561.0
+    assert f"{model.estimate_flops():.2e}" == "3.49e+09"
+
+
+def test_bad_config_raises():
+    """Catches silently accepting a model_dim that heads do not divide, or an n_kv_head that does not divide n_head."""
+    with pytest.raises(UserError):
+        GPT(GPTConfig(**{**TINY, "n_head": 3}))
+    with pytest.raises(UserError):
+        GPT(GPTConfig(**{**TINY, "n_head": 4, "n_kv_head": 3}))
+
+
+def test_shapes_dtypes_and_autocast_loss():
+    """Catches logits returned in bf16 under autocast (loss must be fp32) and wrong output shapes."""
+    model = make_model()
+    idx, targets = random_idx(2, 16), random_idx(2, 16, seed=2)
+    logits = model(idx)
+    assert logits.shape == (2, 16, 256) and logits.dtype == torch.float32
+    assert logits.abs().max() <= 15.0  # soft cap
+    loss = model(idx, targets)
+    assert loss.shape == () and loss.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_bf16 = model(idx, targets)
+        logits_bf16 = model(idx)
+    assert loss_bf16.dtype == torch.float32 and logits_bf16.dtype == torch.float32
+    assert abs(loss_bf16.item() - loss.item()) < 0.1
+    none = model(idx, targets, loss_reduction="none")
+    assert none.shape == (32,) and none.dtype == torch.float32
+    assert torch.allclose(none.mean(), loss, atol=1e-6)
+    assert torch.allclose(model(idx, targets, loss_reduction="sum"), none.sum(), atol=1e-4)
+
+
+def test_ignore_index():
+    """Targets == -1 are excluded from the mean; a wrong variant averaging over all B*T positions must differ."""
+    model = make_model()
+    idx, targets = random_idx(2, 16), random_idx(2, 16, seed=2)
+    targets[0, :5] = -1
+    targets[1, 10:] = -1
+    keep = targets.view(-1) != -1
+    logits = model(idx).view(-1, 256)
+    expected = F.cross_entropy(logits[keep], targets.view(-1)[keep])
+    loss = model(idx, targets)
+    assert torch.allclose(loss, expected, atol=1e-6)
+    wrong = F.cross_entropy(logits[keep], targets.view(-1)[keep], reduction="sum") / targets.numel()
+    assert not torch.allclose(loss, wrong, atol=1e-3)
+    none = model(idx, targets, loss_reduction="none")
+    assert torch.all(none[~keep] == 0)
+
+
+def test_num_params_and_flops():
+    """Catches a num_params that skips modules, or a FLOPs formula that keeps the embedding or drops attention."""
+    model = make_model(randomize=False)
+    assert model.num_params() == sum(p.numel() for p in model.parameters())
+    c = model.config
+    expected = 6 * (model.num_params() - 256 * 64) + 12 * c.n_layer * c.n_head * (64 // 2) * c.max_seq_len
+    assert model.estimate_flops() == expected
+
+
+def test_meta_init_deterministic_and_zero_proj():
+    """Catches rotary buffers left uninitialised after to_empty, RNG-dependent init outside torch's generator,
+    non-zero output projections and a wrong init scale."""
+    config = GPTConfig(**TINY)
+    states = []
+    for _ in range(2):
+        with torch.device("meta"):
+            model = GPT(config)
+        model.to_empty(device="cpu")
+        torch.manual_seed(123)
+        model.init_weights()
+        states.append(model)
+    ref = GPT(config)  # built directly on CPU
+    torch.manual_seed(123)
+    ref.init_weights()
+    for m in states:
+        for (n1, p1), (n2, p2) in zip(m.state_dict().items(), ref.state_dict().items()):
+            assert n1 == n2 and torch.equal(p1, p2), n1
+        assert torch.equal(m.cos, ref.cos) and torch.equal(m.sin, ref.sin)
+    assert "cos" not in ref.state_dict() and ref.cos.shape == (1, 320, 1, 16)
+    for block in ref.blocks:
+        assert torch.all(block.attn.c_proj.weight == 0) and torch.all(block.mlp.c_proj.weight == 0)
+        assert block.attn.c_q.weight.abs().max() <= math.sqrt(3 / 64)
+    assert 0.9 < ref.wte.weight.std() < 1.1 and 0.0008 < ref.lm_head.weight.std() < 0.0012
+    # to_empty alone (no init_weights) must also restore the rotary tables
+    with torch.device("meta"):
+        m = GPT(config)
+    m.to_empty(device="cpu")
+    assert torch.equal(m.cos, ref.cos)
+
+
+def test_causality():
+    """Catches non-causal attention (e.g. is_causal forgotten): a future token must not change earlier logits."""
+    model = make_model()
+    idx = random_idx(1, 20)
+    idx2 = idx.clone()
+    idx2[0, 12] = (idx[0, 12] + 1) % 256
+    a, b = model(idx), model(idx2)
+    assert torch.equal(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+@pytest.mark.parametrize("n_kv_head", [2, 1])
+def test_kv_cache_matches_full_forward(n_kv_head):
+    """Prefill + one token at a time, and a chunked prefill at pos > 0, must reproduce the full forward: catches
+    rotary positions not offset by the cache position, a wrong chunk mask, a wrong GQA head mapping, and a cache
+    position that advances per layer instead of once."""
+    model = make_model(n_kv_head=n_kv_head)
+    idx = random_idx(2, 24)
+    full = model(idx)
+    cache = KVCache(2, n_kv_head, 32, 2, 24, "cpu", torch.float32)
+    steps = [model(idx[:, :10], kv_cache=cache)]
+    assert cache.pos == 10
+    for t in range(10, 16):
+        steps.append(model(idx[:, t:t + 1], kv_cache=cache))
+    steps.append(model(idx[:, 16:24], kv_cache=cache))  # chunk at pos 16
+    assert cache.pos == 24
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        model(idx[:, :1], kv_cache=cache)  # full
+
+
+def greedy_reference(model, tokens, n):
+    ids = list(tokens)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(tokens):]
+
+
+def test_generate_greedy_matches_full_forward():
+    """Greedy generation with the cache must equal argmax over full forwards, also past max_seq_len (32) thanks to
+    the 10x rotary table; catches cache and position bugs on the generation path."""
+    model = make_model(n_kv_head=1)
+    prompt = random_idx(1, 20)[0].tolist()
+    out = list(model.generate(prompt, 20))
+    assert out == greedy_reference(model, prompt, 20)
+    assert model.training  # generate leaves the mode alone
+
+
+def test_generate_sampling_seeded():
+    """Catches sampling that ignores the seed (or uses the global RNG), and a top-k filter that keeps too many."""
+    model = make_model()
+    prompt = [1, 2, 3]
+    a = list(model.generate(prompt, 12, temperature=1.0, seed=7))
+    torch.manual_seed(999)  # the global RNG must not matter
+    b = list(model.generate(prompt, 12, temperature=1.0, seed=7))
+    c = list(model.generate(prompt, 12, temperature=1.0, seed=8))
+    assert a == b and a != c
+    assert list(model.generate(prompt, 12, temperature=0.7, top_k=1)) == list(model.generate(prompt, 12))
+    with pytest.raises(UserError):
+        list(model.generate([], 3))
+    with pytest.raises(UserError):
+        list(model.generate(prompt, 400))
+
+
+def test_setup_optimizers(capsys):
+    """Catches parameters missing from (or duplicated in) the optimizers, unscaled AdamW LRs and missing initial_lr."""
+    model = make_model(randomize=False)
+    adamw, muon = model.setup_optimizers(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+    assert "Scaling the LR" in capsys.readouterr().out
+    scale = (64 / 768) ** -0.5
+    lrs = sorted(g["lr"] for g in adamw.param_groups)
+    assert lrs == pytest.approx(sorted([0.2 * scale, 0.004 * scale]))
+    assert adamw.defaults["betas"] == (0.8, 0.95) and adamw.defaults["eps"] == 1e-10
+    assert not adamw.defaults["fused"] and adamw.defaults["foreach"]
+    ids = [id(p) for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+    for opt in (adamw, muon):
+        for g in opt.param_groups:
+            assert g["initial_lr"] == g["lr"]
+    assert muon.param_groups[0]["lr"] == 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_paths(monkeypatch):
+    """On CUDA under bf16 autocast: flash-attn (when installed) must agree with SDPA, the cache path must agree with
+    the full forward, and the fused AdamW + bf16 Muon step must run. Catches a (B, T, H, D) vs (B, H, T, D) layout
+    mix-up on the flash path."""
+    import nanotrain.gpt as gpt_module
+
+    model = make_model(n_kv_head=1).cuda()
+    idx = random_idx(2, 32).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(idx)
+        monkeypatch.setattr(gpt_module, "flash_attn_func", None)
+        logits_sdpa = model(idx)
+        out = list(model.generate(idx[0, :8].tolist(), 8))
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, logits_sdpa, atol=0.1, rtol=0.05)
+    assert len(out) == 8
+    adamw, muon = model.setup_optimizers()
+    assert adamw.defaults["fused"]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(idx, idx).backward()
+    adamw.step()
+    muon.step()

@@ -1,0 +1,118 @@
+"""Tests for nanotrain/muon.py (and the optimizers of nanotrain/gpt.py) on CPU in fp32."""
+
+import copy
+
+import pytest
+import torch
+
+from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.muon import Muon, zeropower_via_newtonschulz5
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 64)])
+def test_newtonschulz_orthogonalises(shape):
+    """
+    The quintic NS map with (3.4445, -4.7750, 2.0315) is tuned for speed, not exact convergence: singular values
+    end in a band around 1 (about 0.68..1.2), so we check [0.5, 1.5] rather than 1. The result must also keep G's
+    singular vectors (U^T X V diagonal). Catches wrong coefficients (divergence or no orthogonalisation), a missing
+    normalisation (blow-up) and a transpose bug (wrong shape or mixed-up singular vectors).
+    """
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    X = zeropower_via_newtonschulz5(G)
+    assert X.shape == G.shape and X.dtype == torch.float32
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    sv = torch.linalg.svdvals(X)
+    assert sv.min() > 0.5 and sv.max() < 1.5
+    D = U.T @ X @ Vh.T  # should be diagonal with the new singular values
+    off = D - torch.diag(torch.diagonal(D))
+    assert off.abs().max() < 1e-3
+    # scale invariance (only the direction of G matters)
+    torch.testing.assert_close(zeropower_via_newtonschulz5(1000 * G), X, atol=1e-4, rtol=1e-4)
+    assert zeropower_via_newtonschulz5(G, dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_update_rule_and_shape_scale():
+    """
+    Two steps checked against the formula (lerp momentum, Nesterov, NS, sqrt(max(1, rows/cols)) scale), with the
+    momentum changed between steps in the param group. Catches a plain SGD momentum buffer (buf = m*buf + g), a
+    momentum cached at construction, a missing or inverted aspect-ratio scale.
+    """
+    gen = torch.Generator().manual_seed(0)
+    tall, wide = torch.randn(64, 32, generator=gen), torch.randn(32, 64, generator=gen)
+    p_tall, p_wide = torch.nn.Parameter(tall.clone()), torch.nn.Parameter(wide.clone())
+    opt = Muon([p_tall, p_wide], lr=0.1, momentum=0.9)
+    grads = [(torch.randn(64, 32, generator=gen), torch.randn(32, 64, generator=gen)) for _ in range(2)]
+    bufs = [torch.zeros(64, 32), torch.zeros(32, 64)]
+    expected = [tall.clone(), wide.clone()]
+    for step, (m, gs) in enumerate(zip([0.9, 0.8], grads)):
+        opt.param_groups[0]["momentum"] = m
+        p_tall.grad, p_wide.grad = gs[0].clone(), gs[1].clone()
+        opt.step()
+        for i, (g, scale) in enumerate(zip(gs, [2**0.5, 1.0])):
+            bufs[i] = m * bufs[i] + (1 - m) * g
+            u = (1 - m) * g + m * bufs[i]
+            expected[i] -= 0.1 * scale * zeropower_via_newtonschulz5(u)
+        torch.testing.assert_close(p_tall.detach(), expected[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(p_wide.detach(), expected[1], atol=1e-5, rtol=1e-5)
+
+
+def test_lr_zero_and_none_grad():
+    """Catches an lr that is ignored, and params without a gradient being updated (or crashing the step)."""
+    p, q = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4, 8))
+    p0, q0 = p.detach().clone(), q.detach().clone()
+    opt = Muon([p, q], lr=0.0)
+    p.grad = torch.randn(8, 4)
+    opt.step()
+    assert torch.equal(p.detach(), p0) and torch.equal(q.detach(), q0)
+    opt.param_groups[0]["lr"] = 0.02
+    opt.step()
+    assert not torch.equal(p.detach(), p0) and torch.equal(q.detach(), q0)
+    assert "momentum_buffer" not in opt.state[q]
+    with pytest.raises(ValueError):
+        Muon([torch.nn.Parameter(torch.randn(4))])
+
+
+def test_state_dict_round_trip():
+    """Resuming from state_dict must continue identically; catches momentum buffers that are not saved/restored."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(16, 8, generator=gen) for _ in range(6)]
+    p = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+    opt = Muon([p], lr=0.05)
+    for g in grads[:3]:
+        p.grad = g.clone()
+        opt.step()
+    saved_p, saved_state = p.detach().clone(), copy.deepcopy(opt.state_dict())
+    for g in grads[3:]:
+        p.grad = g.clone()
+        opt.step()
+    q = torch.nn.Parameter(saved_p.clone())
+    opt2 = Muon([q], lr=0.05)
+    opt2.load_state_dict(saved_state)
+    for g in grads[3:]:
+        q.grad = g.clone()
+        opt2.step()
+    assert torch.equal(p.detach(), q.detach())
+
+
+def test_tiny_model_trains():
+    """AdamW + Muon from setup_optimizers must overfit a fixed batch: catches sign errors, a dead optimizer for the
+    block matrices (zero-init projections only move through Muon), or a broken LR scaling."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=2, model_dim=64, n_head=2, n_kv_head=2, max_seq_len=32))
+    model.init_weights()
+    optimizers = model.setup_optimizers()
+    gen = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 256, (4, 32), generator=gen)
+    targets = torch.randint(0, 256, (4, 32), generator=gen)
+    losses = []
+    for _ in range(30):
+        loss = model(idx, targets)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert any(b.attn.c_proj.weight.abs().sum() > 0 for b in model.blocks)
