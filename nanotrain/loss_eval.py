@@ -1,0 +1,46 @@
+"""
+Bits per byte: the validation metric of pretraining, independent of the tokenizer's vocabulary size
+(as in nanochat's loss_eval; the per-token byte lengths come from nanotrain.tokenizer.get_token_bytes).
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+@torch.no_grad()
+def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None):
+    """
+    Validation bits per byte over `steps` batches from the iterator `batches` of (inputs, targets) int64 (B, T).
+
+    bpb = sum of per-token losses in nats / (ln 2 * sum of the UTF-8 byte lengths of the target tokens), where
+    targets that are special tokens (byte length 0) or -1 are left out of both sums. The sums are all-reduced over
+    ranks, so every rank returns the same float. Sums (not means) make the result independent of the batch size.
+    token_bytes: int64 (vocab_size,) on the model's device. Restores model.train() mode if it was on.
+    """
+    was_training = model.training
+    model.eval()
+    device = token_bytes.device
+    total_nats = torch.zeros((), dtype=torch.float64, device=device)
+    total_bytes = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(steps):
+        x, y = next(batches)
+        if autocast_ctx is not None:
+            with autocast_ctx:
+                loss = model(x, y, loss_reduction="none")
+        else:
+            loss = model(x, y, loss_reduction="none")
+        y = y.reshape(-1)
+        nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], torch.zeros_like(y))
+        counted = nbytes > 0
+        total_nats += (loss.reshape(-1).double() * counted).sum()
+        total_bytes += nbytes.double().sum()
+    if dist.is_available() and dist.is_initialized():
+        both = torch.stack([total_nats, total_bytes])
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        total_nats, total_bytes = both[0], both[1]
+    model.train(was_training)
+    if total_bytes.item() == 0:
+        return float("inf")
+    return (total_nats / (math.log(2) * total_bytes)).item()

@@ -1,0 +1,170 @@
+"""
+The small pieces of a training loop that every stage (base_train, mid_train, chat_sft) shares: precision set-up,
+the lr schedule, the optimizer step, stop signals, the metrics log, and the replica check under DDP.
+The loops themselves stay in the scripts, to be read top to bottom.
+"""
+
+import json
+import math
+import os
+import signal
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.common import UserError, print0
+from nanotrain.muon import Muon
+
+
+def precision(dtype, device):
+    """
+    Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and float32 elsewhere. Parameters, gradients and
+    optimizer state stay fp32 in every case (autocast only lowers the matmuls). Returns (name, autocast context).
+    Raises UserError for anything but "", "bfloat16", "float32".
+    """
+    name = dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if name not in ("bfloat16", "float32"):
+        raise UserError(f"--dtype={dtype!r}: expected 'bfloat16', 'float32' or '' (auto)")
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if name == "bfloat16" else nullcontext()
+    return name, ctx
+
+
+def lr_multiplier(step, total_steps, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
+    """
+    The lr multiplier of optimizer step `step` (0-based) of `total_steps`: linear warmup over the first
+    round(warmup_ratio * total_steps) steps, then 1.0, then a linear warmdown to final_lr_frac over the last
+    round(warmdown_ratio * total_steps) steps (the trapezoidal schedule of nanochat / modded-nanogpt).
+    It counts optimizer steps, not micro-steps, so it does not depend on gradient accumulation.
+    """
+    warmup, warmdown = round(warmup_ratio * total_steps), round(warmdown_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step <= total_steps - warmdown:
+        return 1.0
+    progress = (total_steps - step) / warmdown
+    return progress + (1 - progress) * final_lr_frac
+
+
+def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95):
+    """Muon momentum ramped linearly from `start` to `end` over the first `warmup_steps` steps (nanochat)."""
+    frac = min(step / warmup_steps, 1.0)
+    return (1 - frac) * start + frac * end
+
+
+def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
+    """
+    One update of every optimizer: clip the (already synchronised, so global) gradient norm to grad_clip if > 0,
+    set each group's lr to initial_lr * lrm and Muon's momentum, step, and zero the gradients (set to None).
+    Returns the gradient norm before clipping (a 0-dim tensor) or None.
+    """
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip > 0 else None
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if isinstance(opt, Muon):
+                group["momentum"] = momentum
+    for opt in optimizers:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def global_mean_and_flag(value, flag, device):
+    """
+    All-reduces a per-rank loss (0-dim tensor) and a per-rank stop flag (bool) in one collective.
+    Returns (mean of value over ranks as a float, True if any rank's flag is set). Works without DDP too.
+    """
+    stats = torch.stack([value.detach().float().reshape(()), torch.tensor(float(flag), device=device)])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+        stats[0] /= dist.get_world_size()
+    return stats[0].item(), stats[1].item() > 0
+
+
+def check_finite(loss, step, run_dir):
+    """Raises UserError naming the step if the loss is NaN or inf (called before the update, so nothing is lost)."""
+    if not math.isfinite(loss):
+        raise UserError(f"non-finite loss {loss} at step {step}; stopped before the update (the last checkpoint "
+                        f"in {run_dir}/checkpoints is intact; try a lower lr)")
+
+
+class StopSignals:
+    """
+    Turns the first SIGINT/SIGTERM into a request to stop (`.requested`), so the loop can finish the step, save a
+    checkpoint and exit 0. A second SIGINT raises KeyboardInterrupt at once.
+    """
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", flush=True)
+
+
+class MetricsLog:
+    """
+    metrics.jsonl in the run directory, one JSON object per line, written by rank 0. A fresh run starts it empty; a
+    resumed run keeps the rows up to the step it resumes from (the later ones will be logged again).
+    """
+
+    def __init__(self, run_dir, resume_step=None, master=True):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.file = None
+        if not master:
+            return
+        if resume_step is None:
+            if os.path.exists(self.path):
+                os.remove(self.path)
+        elif os.path.exists(self.path):
+            with open(self.path) as f:
+                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(self.path + ".tmp", self.path)
+        self.file = open(self.path, "a")
+
+    def log(self, **row):
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def check_replicas(model):
+    """
+    Under DDP: compares a float64 checksum of every parameter across ranks and raises RuntimeError if any rank's
+    parameters differ (replica drift). Returns the checksum (float); a no-op returning None without DDP.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    with torch.no_grad():
+        checksum = sum((p.double().flatten() * torch.linspace(1, 2, p.numel(), dtype=torch.float64,
+                        device=p.device)).sum() for p in model.parameters())
+    sums = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, checksum)
+    if any(s.item() != sums[0].item() for s in sums):
+        raise RuntimeError(f"parameters differ across ranks: checksums {[s.item() for s in sums]}")
+    print0(f"Replica check: parameters identical on all {len(sums)} ranks (checksum {sums[0].item():.10e})")
+    return sums[0].item()
+
+
+def step_log_line(step, total_steps, loss, grad_norm, lrm, dt, tokens, flops_per_token, peak_flops, world_size):
+    """The one-line log of an optimizer step and the matching metrics row (dt in seconds, tokens in the step)."""
+    tok_per_sec = tokens / dt
+    mfu = flops_per_token * tokens / dt / (peak_flops * world_size)
+    eta = (total_steps - step) * dt
+    gn = f" | grad norm {grad_norm:.3f}" if grad_norm is not None else ""
+    line = (f"step {step:05d}/{total_steps:05d} ({100 * step / total_steps:.1f}%) | loss {loss:.6f}{gn} | "
+            f"lrm {lrm:.3f} | dt {dt * 1000:.1f}ms | tok/s {tok_per_sec:,.0f} | mfu {100 * mfu:.1f}% | "
+            f"eta {eta / 60:.1f}m")
+    row = dict(step=step, loss=loss, lrm=lrm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
+    return line, row

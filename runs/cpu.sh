@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The CPU recipe: build the builtin corpus (offline), train a tokenizer, pretrain a small GPT, evaluate it (val bpb)
+# and sample from it. About 10 minutes on 2 cores. Outputs go to $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
+#   bash runs/cpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NANOTRAIN_BASE_DIR="${NANOTRAIN_BASE_DIR:-$HOME/.cache/nanotrain}"
+RUN=cpu
+SECONDS=0
+
+# 1. corpus: Python's own documentation (pydoc topics + standard library docstrings), ~2 M characters
+python -m nanotrain.dataset
+
+# 2. tokenizer: 4,096-token BPE (rustbpe) on the training split
+python scripts/tok_train.py --vocab_size=4096
+
+# 3. pretraining: depth 4 (5.2 M parameters), 256-token rows, 4,096 tokens per step, 400 steps (~1.6 M tokens)
+python scripts/base_train.py --run_name=$RUN --depth=4 --max_seq_len=256 --device_batch_size=8 \
+    --total_batch_size=4096 --num_iterations=400 --eval_every=100 --eval_tokens=32768 \
+    --sample_every=200 --save_every=100
+
+# 4. sample from the trained model
+python scripts/sample.py --run_name=$RUN --prompt="The return value of the function is" --max_tokens=48
+echo "CPU recipe done in $((SECONDS / 60)) min $((SECONDS % 60)) s; outputs in $NANOTRAIN_BASE_DIR/base/$RUN"

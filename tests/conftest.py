@@ -1,0 +1,81 @@
+"""
+Shared fixtures: a session-wide base directory holding the builtin corpus and a tiny tokenizer (built once),
+and per-test base directories that reuse them, so no test writes into ~/.cache/nanotrain.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_VOCAB = 512  # tokenizer vocab (including the 9 special tokens) of the test runs
+# the tiny base_train configuration the smoke tests use (seconds on 2 cores)
+TINY_TRAIN = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512",
+              "--eval_tokens=2048", "--eval_every=-1", "--sample_every=-1", "--save_every=-1", "--keep_last=0"]
+
+
+@pytest.fixture(scope="session")
+def shared_base_dir(tmp_path_factory):
+    """A base dir with data/builtin and a TINY_VOCAB tokenizer trained on 300k characters of it."""
+    from nanotrain.dataset import iter_documents, resolve_data_files
+    from nanotrain.tokenizer import Tokenizer
+
+    base = tmp_path_factory.mktemp("shared_base")
+    old = os.environ.get("NANOTRAIN_BASE_DIR")
+    os.environ["NANOTRAIN_BASE_DIR"] = str(base)
+    try:
+        files = resolve_data_files("builtin", "train")
+
+        def texts(limit=300_000):
+            n = 0
+            for _, t in iter_documents(files):
+                yield t[:10_000]
+                n += len(t[:10_000])
+                if n >= limit:
+                    return
+        Tokenizer.train_from_iterator(texts(), TINY_VOCAB).save(str(base / "tokenizer"))
+    finally:
+        if old is None:
+            os.environ.pop("NANOTRAIN_BASE_DIR", None)
+        else:
+            os.environ["NANOTRAIN_BASE_DIR"] = old
+    return base
+
+
+@pytest.fixture
+def base_dir(shared_base_dir, tmp_path, monkeypatch):
+    """A fresh base dir (NANOTRAIN_BASE_DIR is set to it) that links the shared corpus and tokenizer."""
+    base = tmp_path / "base"
+    base.mkdir()
+    os.symlink(shared_base_dir / "data", base / "data")
+    os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(base))
+    return base
+
+
+def run_script(script, *args, base_dir, nproc=1, timeout=300, env=None):
+    """
+    Runs scripts/<script> through the command line (python, or torchrun --standalone with nproc > 1 on gloo)
+    with NANOTRAIN_BASE_DIR=base_dir. Returns the CompletedProcess (stdout and stderr as text).
+    """
+    path = os.path.join(REPO, "scripts", script)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path]
+    else:
+        cmd = [sys.executable, path]
+    full_env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+@pytest.fixture
+def tiny_tokenizer(base_dir):
+    from nanotrain.tokenizer import get_tokenizer
+    return get_tokenizer()
+
+
+def copy_run(src_base, dst_base, stage, run):
+    shutil.copytree(os.path.join(src_base, stage, run), os.path.join(dst_base, stage, run))

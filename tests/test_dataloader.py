@@ -1,0 +1,92 @@
+"""Tests of the pretraining token loader: shapes, determinism, rank disjointness, exact resume, epochs."""
+
+import numpy as np
+import pytest
+import torch
+
+from nanotrain.dataloader import TokenLoader
+from nanotrain.dataset import iter_documents, resolve_data_files
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def files(base_dir):
+    return resolve_data_files("builtin", "val")
+
+
+def expected_stream(tok, files, rank, world):
+    """The token stream rank `rank` must read: BOS + tokens of each of its documents, in order."""
+    docs = [t for i, t in iter_documents(files) if i % world == rank]
+    ids = tok.encode(docs, prepend=tok.get_bos_token_id())
+    return np.concatenate([np.asarray(x) for x in ids])
+
+
+def drain(loader):
+    rows = []
+    for x, y in loader:
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        rows.append(torch.cat([x, y[:, -1:]], dim=1).reshape(-1))
+    return torch.cat(rows).numpy()
+
+
+def test_shapes_and_targets(tiny_tokenizer, files):
+    loader = TokenLoader(tiny_tokenizer, files, 4, 32, "cpu")
+    x, y = loader.next_batch()
+    assert x.shape == y.shape == (4, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert x[0, 0].item() == tiny_tokenizer.get_bos_token_id()  # the stream starts with a document's BOS
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_read_disjoint_strides_completely(tiny_tokenizer, files, world):
+    """
+    Each rank's stream is exactly BOS+tokens of its own documents (i % world == rank), nothing skipped or repeated.
+    Catches: ranks reading the same data, dropping the tail of a document at a row boundary, or reading
+    documents out of order.
+    """
+    for rank in range(world):
+        got = drain(TokenLoader(tiny_tokenizer, files, 2, 16, "cpu", rank, world, loop=False))
+        want = expected_stream(tiny_tokenizer, files, rank, world)
+        assert len(want) - len(got) < 2 * 17  # only the last partial batch is left over
+        assert np.array_equal(got, want[:len(got)])
+
+
+def test_deterministic(tiny_tokenizer, files):
+    a = TokenLoader(tiny_tokenizer, files, 2, 16, "cpu")
+    b = TokenLoader(tiny_tokenizer, files, 2, 16, "cpu")
+    for _ in range(5):
+        assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), b.next_batch()))
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 40])
+def test_exact_resume(tiny_tokenizer, files, k):
+    """
+    A loader restored from state_dict() continues with exactly the next unseen tokens, also mid-document and with
+    another batch size. Catches: resuming at the start of the document (repeats tokens) or at the next document
+    (skips tokens), i.e. a state without the in-document offset.
+    """
+    a = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", 1, 2, tokenizer_batch_docs=4)
+    for _ in range(k):
+        a.next_batch()
+    state = a.state_dict()
+    rest = torch.cat([torch.cat([x, y[:, -1:]], 1).reshape(-1) for x, y in (a.next_batch() for _ in range(6))])
+    b = TokenLoader(tiny_tokenizer, files, 9, 20, "cpu", 1, 2)  # other batch size: the position is in tokens
+    b.load_state_dict(state)
+    x, y = b.next_batch()
+    assert torch.equal(torch.cat([x, y[:, -1:]], 1).reshape(-1), rest[: 9 * 21])
+    if k == 7:
+        assert state["offset"] > 0  # the interesting case: the position is inside a document
+
+
+def test_epochs_wrap_around(tiny_tokenizer, files):
+    """With loop=True the loader starts epoch 1 at the first document again after reading everything once."""
+    n = len(drain(TokenLoader(tiny_tokenizer, files, 4, 64, "cpu", loop=False)))
+    loader = TokenLoader(tiny_tokenizer, files, 4, 64, "cpu")
+    first = loader.next_batch()[0]
+    for _ in range(n // (4 * 65) + 1):
+        loader.next_batch()
+    assert loader.state_dict()["epoch"] == 1
+    fresh = TokenLoader(tiny_tokenizer, files, 4, 64, "cpu")
+    fresh.load_state_dict({"epoch": 1, "doc_index": 0, "offset": 0})
+    assert torch.equal(fresh.next_batch()[0], first)
