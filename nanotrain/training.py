@@ -52,6 +52,34 @@ def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95):
     return (1 - frac) * start + frac * end
 
 
+def forward_backward(model, inputs, targets, micro_batch_size, autocast_ctx):
+    """
+    The micro-steps of one pretraining optimizer step. inputs, targets: int64 (N, T) with N a multiple of
+    micro_batch_size; they run as N // micro_batch_size micro-batches whose gradients accumulate in .grad.
+    Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the gradient
+    of the mean loss over all N * T tokens (every micro-batch holds the same number of tokens: pretraining targets are
+    never -1). Under DDP (model is DistributedDataParallel) gradients are all-reduced only in the last micro-step's
+    backward (no_sync on the others, as in nanoGPT). Returns the mean loss over the N rows (detached 0-dim tensor).
+    Raises ValueError if N is not a multiple of micro_batch_size.
+    """
+    n_rows = inputs.size(0)
+    if n_rows % micro_batch_size != 0:
+        raise ValueError(f"{n_rows} rows do not split into micro-batches of {micro_batch_size}")
+    n_micro = n_rows // micro_batch_size
+    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    loss_sum = torch.zeros((), device=inputs.device)
+    for i in range(n_micro):
+        x = inputs[i * micro_batch_size:(i + 1) * micro_batch_size]
+        y = targets[i * micro_batch_size:(i + 1) * micro_batch_size]
+        if is_ddp:
+            model.require_backward_grad_sync = i == n_micro - 1
+        with autocast_ctx:
+            loss = model(x, y)
+        loss_sum += loss.detach()
+        (loss / n_micro).backward()
+    return loss_sum / n_micro
+
+
 def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     """
     One update of every optimizer: clip the (already synchronised, so global) gradient norm to grad_clip if > 0,

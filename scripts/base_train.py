@@ -34,6 +34,7 @@ from nanotrain.training import (
     StopSignals,
     check_finite,
     check_replicas,
+    forward_backward,
     global_mean_and_flag,
     lr_multiplier,
     muon_momentum,
@@ -243,16 +244,9 @@ def main():
         # one optimizer step: grad_accum_steps micro-batches, gradients synced on the last one only
         synchronize(device)
         t0 = time.time()
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum_steps):
-            x, y = train_loader.next_batch()
-            if is_ddp:
-                model.require_backward_grad_sync = micro_step == grad_accum_steps - 1
-            with autocast_ctx:
-                loss = model(x, y)
-            loss_sum += loss.detach()
-            (loss / grad_accum_steps).backward()
-        train_loss, stop = global_mean_and_flag(loss_sum / grad_accum_steps, signals.requested, device)
+        x, y = train_loader.next_batch(device_batch_size * grad_accum_steps)  # this step's rows, all micro-batches
+        loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
+        train_loss, stop = global_mean_and_flag(loss, signals.requested, device)
         check_finite(train_loss, step, run_dir)
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
         grad_norm = optimizer_step(orig_model, optimizers, lrm, muon_momentum(step), grad_clip)
