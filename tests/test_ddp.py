@@ -1,0 +1,109 @@
+"""
+DDP on CPU (2 gloo processes): base_train's step under DDP equals one process with the full batch, one gradient
+all-reduce per optimizer step, replicas bitwise equal after several steps, the logged loss is the global mean.
+"""
+
+import os
+import socket
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.training import check_replicas, forward_backward, global_mean_and_flag, optimizer_step
+
+pytestmark = pytest.mark.dist
+WORLD = 2
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "c_proj" in name or "lm_head" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
+
+
+def worker(rank, port, out_dir, wrong):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+    ddp.register_comm_hook(None, counting_hook)
+    x, y = data(0)
+    mine = slice(rank * 4, rank * 4 + 4)  # each rank gets half of the rows, in 2 micro-batches of 2
+    if wrong:  # counter-example: the wrong step syncs on every micro-step and never divides by the accumulation
+        for i in range(2):
+            ddp(x[mine][2 * i:2 * i + 2], y[mine][2 * i:2 * i + 2]).backward()
+    else:
+        loss = forward_backward(ddp, x[mine], y[mine], 2, nullcontext())
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    n_buckets = len(set(calls))
+    syncs = len(calls) / max(n_buckets, 1)
+    result = {"grad": grad, "syncs": syncs}
+    if not wrong:
+        result["loss"], _ = global_mean_and_flag(loss, False, torch.device("cpu"))
+        opts = model.setup_optimizers()
+        optimizer_step(model, opts, 1.0, 0.95, 1.0)
+        for step in range(1, 5):
+            x, y = data(step)
+            forward_backward(ddp, x[mine], y[mine], 2, nullcontext())
+            optimizer_step(model, opts, 1.0, 0.95, 1.0)
+        result["checksum"] = check_replicas(model)
+        result["params"] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run(tmp_path, wrong=False):
+    mp.start_processes(worker, args=(free_port(), str(tmp_path), wrong), nprocs=WORLD, start_method="spawn",
+                       join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_ddp_two_ranks_equals_full_batch(tmp_path):
+    """
+    2 ranks x accumulation 2 give the gradient of one process on the full batch (1e-6 relative), with exactly one
+    all-reduce per bucket per optimizer step, the same global-mean loss on both ranks, and bitwise-equal parameters
+    after 5 steps. The wrong variant (sync every micro-step, no division by the accumulation) is run too: it
+    all-reduces twice and its gradient is off by 2x.
+    """
+    res = run(tmp_path)
+    model = make_model()
+    x, y = data(0)
+    ref_loss = model(x, y)
+    ref_loss.backward()
+    ref = torch.cat([p.grad.flatten() for p in model.parameters()])
+    for r in res:
+        assert ((r["grad"] - ref).norm() / ref.norm()).item() < 1e-6
+        assert r["syncs"] == 1
+        assert abs(r["loss"] - ref_loss.item()) < 1e-6
+    assert res[0]["loss"] == res[1]["loss"]
+    assert torch.equal(res[0]["params"], res[1]["params"]) and res[0]["checksum"] == res[1]["checksum"]
+    bad = run(tmp_path, wrong=True)
+    assert bad[0]["syncs"] == 2
+    assert ((bad[0]["grad"] - ref).norm() / ref.norm()).item() > 0.5
