@@ -146,6 +146,6 @@ def configure(g, argv=None):
         sys.exit(2)
     for k, v in final.items():
         if v != settings[k] or type(v) is not type(settings[k]):
-            print0(f"Overriding: {k} = {v!r}")
+            print0(f"Overriding: {k} = {v!r}", file=sys.stderr)  # stderr: keeps a one-shot answer on stdout clean
         g[k] = v
     return final

@@ -4,6 +4,7 @@ the lr schedule, the optimizer step, stop signals, the metrics log, and the repl
 The loops themselves stay in the scripts, to be read top to bottom.
 """
 
+import gc
 import json
 import math
 import os
@@ -78,6 +79,75 @@ def forward_backward(model, inputs, targets, micro_batch_size, autocast_ctx):
         loss_sum += loss.detach()
         (loss / n_micro).backward()
     return loss_sum / n_micro
+
+
+def _any_rank(flag, device):
+    """True if `flag` is set on any rank (one all-reduce MAX under torch.distributed; the flag itself otherwise)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor(float(flag), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() > 0
+
+
+def forward_backward_or_step_down(model, inputs, targets, micro_batch_size, candidates, autocast_ctx, log=print0):
+    """
+    forward_backward() for runs whose device_batch_size was discovered (nanotrain.auto_batch_size): if any rank runs
+    out of memory, every rank zeroes the gradients, steps down to the next smaller candidate and redoes the step from
+    the start on the same rows, in more micro-batches, so the tokens per step (and the result) are unchanged and no
+    step is skipped or applied twice. Ranks agree after every micro-step (one scalar all-reduce), so an OOM on one rank
+    cannot leave the others waiting in a gradient all-reduce; for that, under DDP the micro-steps run without DDP's
+    sync and the gradients are averaged with one all-reduce per parameter at the end.
+    Returns (mean loss over the rows, the micro-batch size that worked). Raises UserError if the smallest candidate
+    runs out of memory; non-OOM errors propagate.
+    """
+    from nanotrain.auto_batch_size import is_oom_error, next_smaller_candidate
+
+    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    device = inputs.device
+    while True:
+        n_micro = inputs.size(0) // micro_batch_size
+        loss_sum = torch.zeros((), device=device)
+        oom = False
+        for i in range(n_micro):
+            x = inputs[i * micro_batch_size:(i + 1) * micro_batch_size]
+            y = targets[i * micro_batch_size:(i + 1) * micro_batch_size]
+            if is_ddp:
+                model.require_backward_grad_sync = False
+            try:
+                with autocast_ctx:
+                    loss = model(x, y)
+                loss_sum += loss.detach()
+                (loss / n_micro).backward()
+            except Exception as e:  # only OOM is recoverable; cleaned up below, outside the except block
+                if not is_oom_error(e):
+                    raise
+                oom = True
+            loss = None
+            if _any_rank(oom, device):
+                oom = True
+                break
+        if not oom:
+            if is_ddp:
+                world = dist.get_world_size()
+                handles = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters() if p.grad is not None]
+                for h in handles:
+                    h.wait()
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(world)
+            return loss_sum / n_micro, micro_batch_size
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        smaller = next_smaller_candidate(candidates, micro_batch_size)
+        if smaller is None:
+            raise UserError(f"out of memory at device_batch_size={micro_batch_size}, the smallest candidate; use a "
+                            f"smaller --max_seq_len or a smaller model")
+        log(f"out of memory at device_batch_size={micro_batch_size}: stepping down to {smaller} "
+            f"(grad_accum_steps {n_micro} -> {inputs.size(0) // smaller}) and redoing this step")
+        micro_batch_size = smaller
 
 
 def optimizer_step(model, optimizers, lrm, momentum, grad_clip):

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from nanotrain.auto_batch_size import discover_device_batch_size, drop_cached, gpt_builder
 from nanotrain.checkpoint import get_run_dir, load_latest, rng_state, save_checkpoint, set_rng_state
 from nanotrain.common import (
     UserError,
@@ -35,6 +36,7 @@ from nanotrain.training import (
     check_finite,
     check_replicas,
     forward_backward,
+    forward_backward_or_step_down,
     global_mean_and_flag,
     lr_multiplier,
     muon_momentum,
@@ -52,8 +54,13 @@ seed = 42  # seed of the weight initialisation
 depth = 20  # n_layer; model_dim = depth * 64, head dim 128 (fewer heads for small models)
 max_seq_len = 2048  # tokens per row (context length)
 # batch
-device_batch_size = None  # rows per micro-batch per device; None: the fixed default of 32
+device_batch_size = None  # rows per micro-batch per device; None: discovered (auto_batch_size) or 32
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-batches together
+auto_batch_size = False  # discover the largest device_batch_size that fits (only grad_accum_steps changes)
+batch_size_margin = 0.85  # fraction of device memory the training step may use (bytes, not batch units)
+batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
+device_memory_gb = None  # device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
+max_batch_size = None  # upper bound for discovered device_batch_size (None: no bound)
 # training horizon: num_iterations if > 0, else target_param_data_ratio * params tokens
 num_iterations = -1  # optimizer steps; -1 derives it from target_param_data_ratio
 target_param_data_ratio = 20  # tokens per parameter (Chinchilla) when num_iterations is -1
@@ -117,7 +124,24 @@ def main():
     model_config = config_from_depth(depth, vocab_size, max_seq_len)
 
     # batch arithmetic: only grad_accum_steps depends on the device batch size; the optimization does not
-    if device_batch_size is None:
+    # run directory
+    run_dir = get_run_dir("base", run_name or f"d{depth}")
+
+    ab_record = None  # the auto batch size discovery: before the model is built, so CUDA probes have the memory
+    if device_batch_size is not None:
+        if auto_batch_size:
+            print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
+    elif auto_batch_size:
+        build = gpt_builder(model_config, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
+                            unembedding_lr=unembedding_lr, weight_decay=weight_decay)
+        device_batch_size, ab_record = discover_device_batch_size(
+            build, max_seq_len=max_seq_len, vocab_size=vocab_size, total_batch_size=total_batch_size,
+            world_size=world_size, device=device, amp_dtype=torch.bfloat16 if amp == "bfloat16" else None,
+            compile=use_compile, margin=batch_size_margin, device_memory_gb=device_memory_gb,
+            max_batch_size=max_batch_size, use_cache=batch_size_cache, key_fields={})
+        if master:
+            atomic_write_json(os.path.join(run_dir, "auto_batch_size.json"), ab_record)
+    else:
         device_batch_size = 32
         print0(f"device_batch_size not set: using the fixed default {device_batch_size}")
     if device_batch_size < 1 or total_batch_size < 1:
@@ -128,9 +152,7 @@ def main():
         raise UserError(batch_arithmetic_error(total_batch_size, device_batch_size, max_seq_len, world_size))
     grad_accum_steps = total_batch_size // world_tokens_per_fwdbwd
 
-    # run directory and resume state
-    run_name_ = run_name or f"d{depth}"
-    run_dir = get_run_dir("base", run_name_)
+    # resume state
     ckpt = load_latest(run_dir, device, rank) if resume else None
     if resume and ckpt is None:
         print0(f"warning: --resume=True but {run_dir} has no complete checkpoint; starting fresh")
@@ -245,7 +267,18 @@ def main():
         synchronize(device)
         t0 = time.time()
         x, y = train_loader.next_batch(device_batch_size * grad_accum_steps)  # this step's rows, all micro-batches
-        loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
+        if ab_record is None:
+            loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
+        else:  # a discovered size: an OOM steps every rank down to the next candidate and redoes the step
+            loss, micro = forward_backward_or_step_down(model, x, y, device_batch_size, ab_record["candidates"],
+                                                        autocast_ctx)
+            if micro != device_batch_size:
+                if master:
+                    drop_cached(ab_record["cache_key"])
+                ab_record["step_downs"] = ab_record.get("step_downs", []) + [[step, device_batch_size, micro]]
+                if master:
+                    atomic_write_json(os.path.join(run_dir, "auto_batch_size.json"), ab_record)
+                device_batch_size, grad_accum_steps = micro, total_batch_size // (micro * max_seq_len * world_size)
         train_loss, stop = global_mean_and_flag(loss, signals.requested, device)
         check_finite(train_loss, step, run_dir)
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)

@@ -97,3 +97,62 @@ def test_metrics_log_resume_drops_later_rows(tmp_path):
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
     MetricsLog(str(tmp_path)).close()  # a fresh run starts empty
     assert open(tmp_path / "metrics.jsonl").read() == ""
+
+
+class OOMAbove(torch.nn.Module):
+    """A simulated device: the wrapped model raises a real torch.OutOfMemoryError for micro-batches above `limit`."""
+
+    def __init__(self, model, limit):
+        super().__init__()
+        self.model, self.limit, self.calls = model, limit, []
+
+    def forward(self, x, y):
+        self.calls.append(x.size(0))
+        if x.size(0) > self.limit:
+            raise torch.OutOfMemoryError(f"simulated: micro-batch {x.size(0)} > {self.limit}")
+        return self.model(x, y)
+
+
+def test_oom_step_down_keeps_tokens_and_loss():
+    """
+    An OOM at the discovered size steps down to the next candidate and redoes the step on the same rows: loss and
+    gradient equal a run that used the smaller size from the start (1e-6, fp32). Catches a step-down that skips the
+    step (other rows), applies a partial gradient twice (grads not zeroed), or keeps grad_accum_steps (fewer tokens).
+    """
+    from nanotrain.training import forward_backward_or_step_down
+    torch.manual_seed(2)
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    ref_model = tiny_model()
+    ref_loss = forward_backward(ref_model, x, y, 2, nullcontext())
+    model = OOMAbove(tiny_model(), limit=2)
+    logs = []
+    loss, micro = forward_backward_or_step_down(model, x, y, 8, [1, 2, 4, 8], nullcontext(), log=logs.append)
+    assert micro == 2 and model.calls == [8, 4, 2, 2, 2, 2]
+    assert abs(loss.item() - ref_loss.item()) < 1e-6
+    assert rel(grads(model.model), grads(ref_model)) < 1e-6
+    assert "stepping down to 4" in logs[0] and "stepping down to 2" in logs[1]
+    # counter-example: without zeroing the gradients of the failed attempt the result differs
+    bad = OOMAbove(tiny_model(), limit=4)
+    bad.model(x[:4], y[:4]).backward()  # a partial micro-step's gradient left behind
+    forward_backward(bad.model, x, y, 4, nullcontext())
+    assert rel(grads(bad.model), grads(ref_model)) > 1e-3
+
+
+def test_oom_at_smallest_candidate_is_a_clear_error():
+    from nanotrain.common import UserError
+    from nanotrain.training import forward_backward_or_step_down
+    model = OOMAbove(tiny_model(), limit=0)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    with pytest.raises(UserError, match="smallest candidate"):
+        forward_backward_or_step_down(model, x, x, 2, [1, 2, 4], nullcontext(), log=lambda *a: None)
+
+
+def test_step_down_propagates_other_errors():
+    from nanotrain.training import forward_backward_or_step_down
+
+    class Broken(torch.nn.Module):
+        def forward(self, x, y):
+            raise RuntimeError("shape mismatch, not an OOM")
+    x = torch.zeros(4, 16, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        forward_backward_or_step_down(Broken(), x, x, 2, [1, 2, 4], nullcontext(), log=lambda *a: None)

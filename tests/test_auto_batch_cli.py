@@ -1,0 +1,60 @@
+"""Automatic device batch size through base_train's command line on CPU (a simulated device budget)."""
+
+import json
+import os
+import re
+
+import pytest
+
+from conftest import TINY_TRAIN, run_script
+
+pytestmark = pytest.mark.smoke
+AUTO = [a for a in TINY_TRAIN if not a.startswith("--device_batch_size")] + [
+    "--auto_batch_size=True", "--device_memory_gb=0.05", "--total_batch_size=4096", "--num_iterations=2"]
+
+
+def found(stdout):
+    m = re.findall(r"Auto-discovery found device_batch_size=(\d+) \| grad_accum_steps=(\d+) \| probes=(\d+) \| "
+                   r"([\d.]+)s \| cache (hit|miss)", stdout)
+    assert len(m) == 1, stdout[-3000:]
+    b, accum, probes, secs, cache = m[0]
+    return int(b), int(accum), int(probes), float(secs), cache
+
+
+def test_discovery_trains_at_found_size_then_cache_hit(base_dir):
+    """
+    The first run discovers N (logged, recorded in the run directory) and trains at N with grad_accum = total/(N*T);
+    the identical second run hits the cache in under a quarter of the first discovery's time.
+    """
+    r1 = run_script("base_train.py", *AUTO, "--run_name=a", base_dir=base_dir)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    b, accum, probes, secs, cache = found(r1.stdout)
+    assert cache == "miss" and probes >= 1 and b * accum * 64 == 4096
+    assert f"Tokens / micro-batch / rank: {b} x 64" in r1.stdout
+    rec = json.load(open(os.path.join(base_dir, "base", "a", "auto_batch_size.json")))
+    assert rec["device_batch_size"] == b and len(rec["probes"]) == probes
+    fits = [p["batch_size"] for p in rec["probes"] if p["result"] == "fits"]
+    over = [p["batch_size"] for p in rec["probes"] if p["result"] != "fits"]
+    assert max(fits) == b and all(o > b for o in over)
+    nxt = [c for c in rec["candidates"] if c > b]
+    assert not nxt or min(nxt) in over  # the next larger candidate was measured and does not fit
+    r2 = run_script("base_train.py", *AUTO, "--run_name=b", base_dir=base_dir)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    b2, _, _, secs2, cache2 = found(r2.stdout)
+    assert (b2, cache2) == (b, "hit") and secs2 < secs / 4
+
+
+def test_manual_device_batch_size_wins(base_dir):
+    r = run_script("base_train.py", *AUTO, "--device_batch_size=2", "--run_name=m", base_dir=base_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--device_batch_size=2 given: skipping the automatic discovery" in r.stdout
+    assert "Auto-discovery found" not in r.stdout and "Tokens / micro-batch / rank: 2 x 64" in r.stdout
+
+
+@pytest.mark.dist
+def test_torchrun_ranks_agree(base_dir):
+    r = run_script("base_train.py", *AUTO, "--run_name=d", base_dir=base_dir, nproc=2)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    b, accum, _, _, _ = found(r.stdout)
+    assert b * accum * 64 * 2 == 4096
+    assert "parameters identical on all 2 ranks" in r.stdout

@@ -1,0 +1,810 @@
+"""
+Tests for nanotrain/auto_batch_size.py on CPU: the search on a simulated device that raises real
+torch.OutOfMemoryError, the candidate arithmetic, the byte margin, the OOM message table, the fake-tensor measurement
+(affine in B, optimizer state counted, equal to a real CPU step), probe hygiene, the cache, the logging contract, the
+brute-force acceptance check, plan mode, and GPU-only checks (skipped without CUDA).
+"""
+
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanotrain.auto_batch_size as ab
+from nanotrain.auto_batch_size import (
+    OOM_MESSAGES,
+    cache_key,
+    cache_path,
+    candidate_batch_sizes,
+    discover_device_batch_size,
+    drop_cached,
+    gpt_builder,
+    is_oom_error,
+    measure_fake_peak,
+    next_smaller_candidate,
+    search_batch_size,
+)
+from nanotrain.common import UserError
+from nanotrain.gpt import GPT, GPTConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GiB = 2**30
+TINY_GPT = GPTConfig(max_seq_len=32, vocab_size=256, n_layer=1, n_head=2, n_kv_head=2, model_dim=32)
+SUMMARY = re.compile(r"^Auto-discovery found device_batch_size=(\d+) \| grad_accum_steps=(\d+) \| probes=(\d+) \| "
+                     r"[\d.]+s \| cache (hit|miss)$")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+class SimulatedDevice:
+    """A device whose training step needs a + b * B bytes and raises a real torch.OutOfMemoryError (with the CUDA
+    allocator's message) above `capacity` bytes. Counts the step calls."""
+
+    def __init__(self, a, b, capacity):
+        self.a, self.b, self.capacity, self.calls = a, b, capacity, []
+
+    def step(self, batch_size):
+        self.calls.append(batch_size)
+        peak = self.a + self.b * batch_size
+        if peak > self.capacity:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {self.b / 2**20:.2f} MiB. GPU 0 has a "
+                                         f"total capacity of {self.capacity / GiB:.2f} GiB of which 0 bytes is free.")
+        return peak
+
+
+def fits_on(device, limit=None):
+    """fits(B) for a simulated device: False on an OOM (classified by is_oom_error) or a peak above `limit` bytes."""
+    def fits(batch_size):
+        try:
+            peak = device.step(batch_size)
+        except Exception as exc:
+            if not is_oom_error(exc):
+                raise
+            return False
+        return limit is None or peak <= limit
+    return fits
+
+
+def bound(n):
+    return math.ceil(math.log2(n)) + 2 if n > 1 else 1
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class TinyLM(nn.Module):
+    """A tiny language model (embedding, one MLP, head, fp32 cross-entropy) whose fake probes take ~0.1 s."""
+
+    def __init__(self, vocab_size=64, dim=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx)
+        x = x + F.relu(self.fc(x))
+        logits = self.head(x).float()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def build_tiny(device):
+    with torch.device(device):
+        model = TinyLM()
+    return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)]
+
+
+TINY_ARGS = dict(max_seq_len=16, vocab_size=64, total_batch_size=16 * 64, world_size=1, device="cpu", amp_dtype=None,
+                 compile=False, key_fields={"model": "TinyLM"})
+
+
+def tiny_peaks(sizes=(1, 2, 4, 8, 16, 32, 64)):
+    return {b: measure_fake_peak(build_tiny, b, max_seq_len=16, vocab_size=64) for b in sizes}
+
+
+def budget_between(peak_fit, peak_nofit, margin=ab.DEFAULT_MARGIN):
+    """A device_memory_gb whose margin * budget lies between the two peaks."""
+    return (peak_fit + peak_nofit) / 2 / margin / GiB
+
+
+# ----------------------------------------------------------------------------- candidates
+
+@pytest.mark.unit
+def test_candidates_are_exactly_the_divisors_and_always_divide():
+    """Catches: candidates that break total_batch_size divisibility (nanochat #532), a missing divisor (e.g. only
+    powers of two, which loses 3 * 2^k sizes on 6 GPUs), or a cap applied as '<' instead of '<='."""
+    rng = random.Random(0)
+    for _ in range(200):
+        seq, world, n = rng.choice([16, 64, 256, 2048]), rng.choice([1, 2, 3, 6, 8]), rng.randint(1, 3000)
+        total = n * seq * world
+        cands = candidate_batch_sizes(total, seq, world)
+        assert cands == divisors(n)
+        for c in cands:
+            assert total % (c * seq * world) == 0
+        cap = rng.randint(1, n)
+        assert candidate_batch_sizes(total, seq, world, max_batch_size=cap) == [d for d in divisors(n) if d <= cap]
+    assert candidate_batch_sizes(3 * 2**19, 2048, 6) == divisors(128)  # 6 GPUs: every divisor of 128
+
+
+@pytest.mark.unit
+def test_candidates_user_error_shows_the_arithmetic():
+    """Catches: a bare assert / ZeroDivisionError instead of a one-line UserError naming the flag and the numbers."""
+    with pytest.raises(UserError, match=r"--total_batch_size=1000 is not a multiple of max_seq_len \* world_size = "
+                                        r"64 \* 2 = 128 \(remainder 104\)"):
+        candidate_batch_sizes(1000, 64, 2)
+    with pytest.raises(UserError, match="--max_batch_size=0"):
+        candidate_batch_sizes(1024, 64, 1, max_batch_size=0)
+
+
+@pytest.mark.unit
+def test_next_smaller_candidate():
+    """Catches: stepping down by halving (16 -> 8 when 12 is valid) or returning a non-candidate."""
+    cands = divisors(48)
+    assert next_smaller_candidate(cands, 16) == 12
+    assert next_smaller_candidate(cands, 1) is None
+    assert next_smaller_candidate(cands, 48) == 24
+
+
+# ----------------------------------------------------------------------------- search on a simulated device
+
+def candidate_sets(rng):
+    yield divisors(2 ** rng.randint(0, 12))  # powers of two
+    yield divisors(3 * 2 ** rng.randint(0, 11))  # 6 GPUs: 3 * 2^k
+    yield divisors(rng.randint(1, 100_000))  # random divisor sets
+
+
+@pytest.mark.unit
+def test_search_finds_exactly_the_largest_fitting_candidate_within_the_bound():
+    """Catches: an off-by-one bisection, a search that stops at the first failure above a success without refining,
+    one that probes a size twice, or one that needs more than ceil(log2(n)) + 2 probes; with and without a predicted
+    start index. Each probe is a real torch.OutOfMemoryError on a simulated device."""
+    rng = random.Random(1)
+    for trial in range(600):
+        for cands in candidate_sets(rng):
+            a, b = rng.uniform(0, 10) * GiB, rng.uniform(0.01, 2) * GiB
+            capacity = a + b * rng.uniform(0.5, cands[-1] * 1.2)
+            truth = [c for c in cands if a + b * c <= capacity]
+            start = rng.randrange(len(cands)) if trial % 2 else None
+            device = SimulatedDevice(a, b, capacity)
+            if not truth:
+                with pytest.raises(UserError):
+                    search_batch_size(fits_on(device), cands, start_index=start)
+            else:
+                assert search_batch_size(fits_on(device), cands, start_index=start) == truth[-1]
+            assert len(device.calls) <= bound(len(cands)), (cands, device.calls)
+            assert len(set(device.calls)) == len(device.calls), device.calls
+            assert set(device.calls) <= set(cands)
+
+
+def gallop_from_one(fits, candidates):
+    """The seed design / Lightning 'binsearch' idea over the candidate list: try indices 0, 1, 3, 7, ... (sizes 1, 2,
+    4, 8, ... for powers of two) until a failure, then bisect the bracket. Correct, but not within the bound."""
+    lo, i = -1, 0
+    while i < len(candidates) and fits(candidates[i]):
+        lo, i = i, 2 * i + 1
+    hi = min(i, len(candidates))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(candidates[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return candidates[lo]
+
+
+@pytest.mark.unit
+def test_counter_example_galloping_from_one_exceeds_the_bound():
+    """The wrong variant (gallop from 1, then bisect) finds the right answer but needs more than
+    ceil(log2(n)) + 2 probes on a long list; our search stays within the bound on the same device."""
+    cands = divisors(2**20 * 15)  # 84 candidates
+    a, b = 1 * GiB, 1024
+    capacity = a + b * cands[-2]
+    gallop_device, our_device = SimulatedDevice(a, b, capacity), SimulatedDevice(a, b, capacity)
+    assert gallop_from_one(fits_on(gallop_device), cands) == cands[-2]
+    assert search_batch_size(fits_on(our_device), cands) == cands[-2]
+    assert len(gallop_device.calls) > bound(len(cands))
+    assert len(our_device.calls) <= bound(len(cands))
+
+
+@pytest.mark.unit
+def test_margin_is_in_bytes_not_in_batch_units():
+    """Counter-example: Lightning 2.6 applies its margin in batch units (B * (1 - margin), then snapped to a candidate),
+    which halves a power-of-two answer whose peak fits under the byte margin (32 -> 27 -> 16). Also catches a margin
+    that is ignored (returning the raw no-OOM limit)."""
+    cands = divisors(256)
+    a, b, margin = 10 * GiB, 1 * GiB, 0.85  # peak(B) = 10 GiB + B GiB
+    # device of 50 GiB: 32 rows peak at 42 GiB <= 0.85 * 50 = 42.5 GiB, 64 rows OOM
+    raw = search_batch_size(fits_on(SimulatedDevice(a, b, 50 * GiB)), cands)
+    ours = search_batch_size(fits_on(SimulatedDevice(a, b, 50 * GiB), limit=margin * 50 * GiB), cands)
+    batch_units = max(c for c in cands if c <= int(raw * margin))
+    assert (raw, ours, batch_units) == (32, 32, 16)
+    # device of 80 GiB: 64 rows run without an OOM (74 GiB) but exceed 0.85 * 80 = 68 GiB, so the answer is 32
+    raw = search_batch_size(fits_on(SimulatedDevice(a, b, 80 * GiB)), cands)
+    ours = search_batch_size(fits_on(SimulatedDevice(a, b, 80 * GiB), limit=margin * 80 * GiB), cands)
+    assert (raw, ours) == (64, 32)
+
+
+@pytest.mark.unit
+def test_nothing_fits_is_a_clear_user_error():
+    """Catches: returning 0 / the smallest candidate / raising IndexError when even B=1 does not fit."""
+    with pytest.raises(UserError, match=r"not even the smallest candidate, 1; use a larger --device_memory_gb"):
+        search_batch_size(fits_on(SimulatedDevice(100 * GiB, GiB, 80 * GiB)), divisors(64))
+
+
+@pytest.mark.unit
+def test_non_oom_errors_propagate_from_the_search():
+    """Catches: a fits wrapper that treats every exception as 'too big' (pitfall P7)."""
+    class BrokenDevice(SimulatedDevice):
+        def step(self, batch_size):
+            if batch_size > 8:
+                raise RuntimeError("CUDA error: device-side assert triggered")
+            return super().step(batch_size)
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        search_batch_size(fits_on(BrokenDevice(0, 1, 10**12)), divisors(64))
+
+
+@pytest.mark.unit
+def test_search_rejects_bad_candidates():
+    with pytest.raises(ValueError):
+        search_batch_size(lambda b: True, [4, 2])
+    with pytest.raises(ValueError):
+        search_batch_size(lambda b: True, [])
+
+
+# ----------------------------------------------------------------------------- OOM classification
+
+REAL_OOM_MESSAGES = [
+    (torch.OutOfMemoryError, "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+                             "of which 1.06 GiB is free. Of the allocated memory 75.1 GiB is allocated by PyTorch"),
+    (torch.AcceleratorError, "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some "
+                             "other API call, so the stacktrace below might be incorrect."),
+    (torch.OutOfMemoryError, "HIP out of memory. Tried to allocate 978.00 MiB. GPU 0 has a total capacity of 15.98 GiB "
+                             "of which 630.00 MiB is free."),
+    (RuntimeError, "HIP error: out of memory\nHIP kernel errors might be asynchronously reported"),
+    (torch.OutOfMemoryError, "XPU out of memory. Tried to allocate 59.61 GiB. GPU 0 has a total capacity of 28.55 GiB "
+                             "of which 12.01 GiB is free."),
+    (RuntimeError, "Allocation is out of device memory on current platform."),
+    (RuntimeError, "MPS backend out of memory (MPS allocated: 17.21 GiB, other allocations: 1.02 GiB, max allowed: "
+                   "20.13 GiB). Tried to allocate 2.00 GiB on private pool."),
+    (RuntimeError, "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                   "tried to allocate 1125899906842624 bytes. Error code 12 (Cannot allocate memory)"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cls,message", REAL_OOM_MESSAGES)
+def test_real_oom_messages_are_classified(cls, message):
+    """Catches: Lightning's 'CUDA' + 'out of memory' rule, which misses HIP, XPU and MPS OOMs."""
+    assert is_oom_error(cls(message))
+
+
+@pytest.mark.unit
+def test_every_table_marker_has_a_real_message_and_a_source():
+    assert all(any(marker in msg for _, msg in REAL_OOM_MESSAGES) for marker, _ in OOM_MESSAGES)
+    assert all(len(source) > 20 for _, source in OOM_MESSAGES)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("exc", [
+    RuntimeError("CUDA error: device-side assert triggered"),
+    RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous "
+                 "input."),
+    RuntimeError("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"),
+    RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"),
+    ValueError("CUDA out of memory."),  # not a RuntimeError: not from torch's allocator
+    MemoryError(),
+    KeyError("out of memory"),
+])
+def test_other_errors_are_not_oom(exc):
+    """Catches: a classifier that matches 'out of memory' anywhere or any RuntimeError, hiding real bugs."""
+    assert not is_oom_error(exc)
+
+
+@pytest.mark.unit
+def test_torch_out_of_memory_error_is_oom_whatever_its_message():
+    assert is_oom_error(torch.OutOfMemoryError("anything"))
+    assert is_oom_error(torch.cuda.OutOfMemoryError("anything"))
+
+
+# ----------------------------------------------------------------------------- fake-tensor measurement
+
+@pytest.mark.unit
+def test_fake_peak_is_affine_in_batch_size_and_counts_the_optimizer_state():
+    """Catches: a measurement that ignores activations (flat in B) or double counts them (superlinear), and - the
+    counter-example - a probe without the optimizer step, which misses the lazily created AdamW/Muon state: its peak
+    is lower by (optimizer state - gradients), the difference between the 3rd micro-step's peak (state alive) and
+    the 2nd's (gradients alive)."""
+    build = gpt_builder(TINY_GPT)
+    peaks = {b: measure_fake_peak(build, b, max_seq_len=32, vocab_size=256) for b in (1, 2, 4)}
+    slope = peaks[2] - peaks[1]
+    assert slope > 0
+    assert abs(peaks[4] - (peaks[1] + slope * 3)) <= 0.01 * peaks[4]
+    no_step = measure_fake_peak(build, 4, max_seq_len=32, vocab_size=256, optimizer_step=False)
+    model, optimizers = build("cpu")
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ab.probe_step(model, optimizers, 1, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0))
+    state_bytes = sum(t.numel() * t.element_size() for opt in optimizers for s in opt.state.values()
+                      for t in s.values() if torch.is_tensor(t))
+    assert state_bytes > grad_bytes  # AdamW keeps 2 moments, Muon 1 buffer
+    assert no_step < peaks[4]
+    assert abs((peaks[4] - no_step) - (state_bytes - grad_bytes)) <= 1024  # AdamW's scalar step tensors
+
+
+@pytest.mark.unit
+def test_fake_peak_equals_a_real_cpu_step_and_is_plausible():
+    """The fake measurement is the same accounting as MemTracker on a real CPU run of the same step (catches a fake
+    path that builds a different model or skips part of the recipe). Plausibility: at least parameters + optimizer
+    state + one fp32 logits tensor (B, T, V). The process RSS comparison is test_rss_of_a_real_step (slow)."""
+    build = gpt_builder(TINY_GPT)
+    fake = measure_fake_peak(build, 4, max_seq_len=32, vocab_size=256)
+    probe = ab._RealProbe(build, "cpu", 32, 256, None, 1, log=lambda *a: None)
+    with probe:
+        real, oom, thrash = probe.measure(4)
+        param_bytes = sum(p.numel() * 4 for p in probe.model.parameters())
+    assert (real, oom, thrash) == (fake, False, False)
+    state_bytes = 2 * 256 * 32 * 4 * 2 + (param_bytes - 2 * 256 * 32 * 4)  # AdamW: wte + lm_head x2, Muon: blocks
+    assert fake >= param_bytes + state_bytes + 4 * 32 * 256 * 4
+
+
+@pytest.mark.unit
+def test_meta_to_empty_factory_gets_a_clear_error():
+    """A factory written like base_train (meta device + to_empty) cannot run under FakeTensorMode; catches a cryptic
+    '_apply(): Couldn't swap Embedding.weight' reaching the user."""
+    def meta_build(device):
+        with torch.device("meta"):
+            model = TinyLM()
+        model.to_empty(device=device)
+        return model, [torch.optim.AdamW(model.parameters())]
+    with pytest.raises(ValueError, match="directly on the device"):
+        measure_fake_peak(meta_build, 2, max_seq_len=16, vocab_size=64)
+
+
+@pytest.mark.unit
+def test_peak_tracker_matches_stock_memtracker():
+    """Pins our MemTracker override (global peak only) to the stock tracker's peak: catches a torch upgrade that
+    changes MemTracker internals under us."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    build = gpt_builder(TINY_GPT)
+    results = []
+    for make in (MemTracker, ab._peak_tracker):
+        with FakeTensorMode():
+            model, optimizers = build("cpu")
+            tracker = make()
+            tracker.track_external(model, *optimizers)
+            with tracker:
+                ab.probe_step(model, optimizers, 4, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0),
+                              on_micro_step=tracker.reset_mod_stats)
+        results.append(ab._tracker_peak_bytes(tracker))
+    assert results[0] == results[1] > 0
+
+
+@pytest.mark.slow
+def test_rss_of_a_real_step_is_within_the_margin_of_the_fake_estimate():
+    """Independent check of the fake measurement: the RSS high-water mark of a real CPU step, in a fresh process,
+    exceeds the fake estimate by less than 1/0.85 (measured: +8-14 %), and is not below it."""
+    code = """
+import os, torch
+from nanotrain.gpt import GPTConfig
+from nanotrain.auto_batch_size import gpt_builder, measure_fake_peak, probe_step
+torch.set_num_threads(1)
+build = gpt_builder(GPTConfig(max_seq_len=128, vocab_size=8192, n_layer=2, n_head=1, n_kv_head=1, model_dim=128))
+fake = measure_fake_peak(build, 16, max_seq_len=128, vocab_size=8192)
+model, opts = build("cpu")
+params = sum(p.numel() * 4 for p in model.parameters())
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+base = rss()
+open("/proc/self/clear_refs", "w").write("5")
+probe_step(model, opts, 16, 128, 8192, device="cpu", generator=torch.Generator().manual_seed(0))
+hwm = int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]) * 1024
+print(fake, hwm - base + params)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    fake, real = map(int, out.stdout.split()[-2:])
+    assert fake <= real < fake / 0.85
+
+
+# ----------------------------------------------------------------------------- discovery: acceptance, logging, hygiene
+
+@pytest.mark.unit
+def test_found_size_equals_a_brute_force_sweep_with_the_same_measurement(monkeypatch, tmp_path):
+    """Acceptance 1: N is the largest candidate whose measured peak fits margin * budget. Catches an off-by-one in
+    the search, a margin applied twice, or a different measurement in discovery than in the sweep."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    build = gpt_builder(TINY_GPT)
+    args = dict(max_seq_len=32, vocab_size=256, total_batch_size=32 * 64, world_size=1, device="cpu",
+                amp_dtype=None, compile=False, key_fields={})
+    sweep = {b: measure_fake_peak(build, b, max_seq_len=32, vocab_size=256) for b in candidate_batch_sizes(32 * 64, 32, 1)}
+    gb = budget_between(sweep[16], sweep[32])
+    batch_size, record = discover_device_batch_size(build, device_memory_gb=gb, use_cache=False, log=lambda *a: None,
+                                                    **args)
+    expected = max(b for b, peak in sweep.items() if peak <= 0.85 * gb * GiB)
+    assert batch_size == expected == 16
+    for p in record["probes"]:
+        assert p["peak_bytes"] == sweep[p["batch_size"]]
+
+
+@pytest.mark.unit
+def test_logging_contract_and_json_record(monkeypatch, tmp_path):
+    """One line per probe (size, result, peak, % of budget, seconds) then exactly the summary line; the record is
+    JSON-serialisable and consistent (catches a missing summary, a grad_accum_steps that does not keep the total)."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    peaks = tiny_peaks((4, 8))
+    lines = []
+    batch_size, record = discover_device_batch_size(build_tiny, device_memory_gb=budget_between(peaks[4], peaks[8]),
+                                                    log=lines.append, **TINY_ARGS)
+    probe_lines = [ln for ln in lines if ln.startswith("auto_batch_size: probe ")]
+    assert len(probe_lines) == len(record["probes"]) >= 2
+    for ln, p in zip(probe_lines, record["probes"]):
+        assert re.match(rf"auto_batch_size: probe device_batch_size={p['batch_size']} \(search\) \| "
+                        rf"(fits|over budget) \| peak [\d.]+ GiB = [\d.]+% of budget \| [\d.]+s$", ln), ln
+    m = SUMMARY.match(lines[-1])
+    assert m and int(m.group(1)) == batch_size == 4 and m.group(4) == "miss"
+    assert int(m.group(2)) * batch_size * 16 == 16 * 64
+    assert int(m.group(3)) == len(record["probes"])
+    again = json.loads(json.dumps(record))
+    assert again["device_batch_size"] == 4 and again["grad_accum_steps"] == 16 and again["cache_hit"] is False
+    assert {"batch_size", "peak_bytes", "result", "seconds", "phase"} <= set(again["probes"][0])
+    assert again["limit_bytes"] == int(0.85 * again["budget_bytes"])
+
+
+class SimulatedOOM:
+    """Mixin for a real model on a simulated device: the 3rd forward of a probe (after the optimizer step has changed
+    the weights and created state) raises torch.OutOfMemoryError when the batch has more than `capacity_rows` rows,
+    or, with other_error, a non-OOM RuntimeError."""
+
+    capacity_rows = 4
+    other_error = False
+
+    def forward(self, idx, targets=None, **kwargs):
+        loss = super().forward(idx, targets, **kwargs)
+        self.calls = getattr(self, "calls", 0) + 1
+        if idx.size(0) > self.capacity_rows and self.calls % 3 == 0:
+            if self.other_error:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return loss
+
+
+class SimulatedOOMGPT(SimulatedOOM, GPT):
+    pass
+
+
+class SimulatedOOMTinyLM(SimulatedOOM, TinyLM):
+    pass
+
+
+def passed_model():
+    torch.manual_seed(0)
+    model = SimulatedOOMGPT(TINY_GPT)
+    model.init_weights()
+    return model, model.setup_optimizers()
+
+
+def passed_tiny():
+    torch.manual_seed(0)
+    model = SimulatedOOMTinyLM()
+    return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)]
+
+
+REAL_TINY_ARGS = dict(probe="real", device_memory_gb=64, max_seq_len=16, vocab_size=64, total_batch_size=16 * 16,
+                      world_size=1, device="cpu", amp_dtype=None, compile=False, key_fields={"model": "TinyLM"},
+                      log=lambda *a: None)
+
+
+@pytest.mark.unit
+def test_hygiene_after_real_probes_with_ooms(monkeypatch, tmp_path):
+    """A model passed in (build_model returns the training model) comes back bitwise unchanged, its optimizers have no
+    state, no gradients, the Python/torch RNG states are restored, and the OOM probes count as 'does not fit'.
+    Catches: no weight restore after the probes' optimizer steps, leftover optimizer state (lazy state would then be
+    counted twice in training), gradients left behind, RNG drift (a different data order/init than without
+    discovery)."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    model, optimizers = passed_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    random.seed(123)
+    torch.manual_seed(123)
+    py_state, torch_state = random.getstate(), torch.get_rng_state()
+    batch_size, record = discover_device_batch_size(lambda device: (model, optimizers), probe="real",
+                                                    device_memory_gb=64, max_seq_len=32, vocab_size=256,
+                                                    total_batch_size=32 * 16, world_size=1, device="cpu",
+                                                    amp_dtype=None, compile=False, key_fields={},
+                                                    log=lambda *a: None)
+    assert batch_size == 4
+    assert "OOM" in [p["result"] for p in record["probes"]]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(len(opt.state) == 0 for opt in optimizers)
+    assert all(p.grad is None for p in model.parameters())
+    assert random.getstate() == py_state and torch.equal(torch.get_rng_state(), torch_state)
+
+
+@pytest.mark.unit
+def test_rng_is_restored_when_build_model_draws_from_it(monkeypatch, tmp_path):
+    """gpt_builder's init_weights draws from torch's global RNG on every probe; discovery must restore it (catches a
+    discovery that changes the training run's initialisation and data order)."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    discover_device_batch_size(gpt_builder(TINY_GPT), probe="real", device_memory_gb=64, max_seq_len=32,
+                               vocab_size=256, total_batch_size=32 * 2, world_size=1, device="cpu", use_cache=False,
+                               key_fields={}, log=lambda *a: None)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.unit
+def test_non_oom_errors_in_a_probe_propagate_and_weights_are_still_restored(monkeypatch, tmp_path):
+    """Catches: an except clause that swallows any error as 'too big', or a restore that is skipped on errors."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    model, optimizers = passed_tiny()
+    model.other_error = True
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        discover_device_batch_size(lambda device: (model, optimizers), use_cache=False, **REAL_TINY_ARGS)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(len(opt.state) == 0 for opt in optimizers)
+
+
+@pytest.mark.unit
+def test_discovery_nothing_fits_names_the_peak_and_the_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    with pytest.raises(UserError, match=r"the smallest candidate, 1, peaks at [\d.]+ GiB \(over budget\) but the limit "
+                                        r"is 0.85 x 0.00 GiB.*--device_memory_gb.*--max_seq_len"):
+        discover_device_batch_size(build_tiny, device_memory_gb=1e-6, log=lambda *a: None, **TINY_ARGS)
+
+
+# ----------------------------------------------------------------------------- cache
+
+KEY_ARGS = dict(key_fields={"model_config": {"n_layer": 4, "model_dim": 256}, "activation_checkpointing": False},
+                max_seq_len=256, vocab_size=32768, amp_dtype=torch.bfloat16, compile=True,
+                devices=[{"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "total_memory": 85045231616,
+                          "budget_bytes": 85045231616}] * 8,
+                world_size=8, margin=0.85, candidates=[1, 2, 4, 8], code="abc")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("field,value", [
+    ("key_fields", {"model_config": {"n_layer": 5, "model_dim": 256}, "activation_checkpointing": False}),
+    ("key_fields", {"model_config": {"n_layer": 4, "model_dim": 256}, "activation_checkpointing": True}),
+    ("max_seq_len", 512), ("vocab_size", 65536), ("amp_dtype", None), ("compile", False),
+    ("devices", [{"type": "cuda", "name": "NVIDIA H200", "total_memory": 85045231616,
+                  "budget_bytes": 85045231616}] * 8),
+    ("devices", [{"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "total_memory": 42522615808,
+                  "budget_bytes": 42522615808}] * 8),
+    ("devices", [{"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "total_memory": 85045231616,
+                  "budget_bytes": 85045231616}] * 7 + [{"type": "cuda", "name": "NVIDIA A100-SXM4-40GB",
+                                                        "total_memory": 42505273344, "budget_bytes": 42505273344}]),
+    ("devices", [{"type": "cpu", "budget_bytes": 2 * GiB, "source": "--device_memory_gb"}] * 8),
+    ("world_size", 4), ("margin", 0.8), ("candidates", [1, 2, 4]), ("code", "abd"),
+])
+def test_any_key_field_change_is_a_cache_miss(field, value, monkeypatch, tmp_path):
+    """Catches a key that forgets a field that changes memory (a stale size would then be reused)."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    assert cache_path(cache_key(**{**KEY_ARGS, field: value})) != cache_path(cache_key(**KEY_ARGS))
+
+
+@pytest.mark.unit
+def test_torch_version_algorithm_version_and_allocator_config_are_in_the_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    base = cache_path(cache_key(**KEY_ARGS))
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert cache_path(cache_key(**KEY_ARGS)) != base
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    monkeypatch.setattr(ab, "ALGORITHM_VERSION", ab.ALGORITHM_VERSION + 1)
+    assert cache_path(cache_key(**KEY_ARGS)) != base
+    monkeypatch.setattr(ab, "ALGORITHM_VERSION", ab.ALGORITHM_VERSION - 1)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert cache_path(cache_key(**KEY_ARGS)) != base
+    assert cache_path(cache_key(**KEY_ARGS)).startswith(os.path.join(str(tmp_path), "auto_batch_cache", ""))
+
+
+@pytest.mark.unit
+def test_code_fingerprint_follows_the_model_source(tmp_path, monkeypatch):
+    """The fake-path cache hit is verified by the code fingerprint, so an edit of the file that builds the model must
+    change it (catches reusing a size measured with old model code); and a gpt_builder factory puts its GPT config in
+    the key (catches two depths sharing one entry when the caller forgets key_fields)."""
+    import importlib
+    mod = tmp_path / "ab_fingerprint_model.py"
+    mod.write_text("def build(device):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    build = importlib.import_module("ab_fingerprint_model").build
+    before = ab.code_fingerprint(build)
+    assert ab.code_fingerprint(build) == before
+    mod.write_text("def build(device):\n    return None  # edited\n")
+    assert ab.code_fingerprint(build) != before
+    assert gpt_builder(TINY_GPT).key_fields["gpt_config"]["n_layer"] == 1
+
+
+@pytest.mark.unit
+def test_cache_hit_miss_corrupt_foreign_and_atomic(monkeypatch, tmp_path):
+    """Second identical call: a hit (no probe: the fake measurement is a pure function of the key, the code
+    fingerprint included), same size. A changed budget: a miss. A corrupt file and a foreign file (valid JSON, other
+    key) are ignored with a warning and replaced. Writes leave no temp files. drop_cached removes the entry.
+    Catches: trusting a file without checking its key, crashing on a corrupt file, torn/temporary files."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    peaks = tiny_peaks((4, 8, 16))
+    gb = budget_between(peaks[4], peaks[8])
+
+    def run(gb=gb, log=None):
+        return discover_device_batch_size(build_tiny, device_memory_gb=gb, log=log or (lambda *a: None), **TINY_ARGS)
+    b1, r1 = run()
+    b2, r2 = run()
+    assert (b1, r1["cache_hit"], b2, r2["cache_hit"], r2["probes"]) == (4, False, 4, True, [])
+    assert r2["seconds"] < 0.25 * r1["seconds"]
+    cache_dir = tmp_path / "auto_batch_cache"
+    assert sorted(os.listdir(cache_dir)) == [os.path.basename(r1["cache_path"])]
+    b3, r3 = run(gb=budget_between(peaks[8], peaks[16]))
+    assert (b3, r3["cache_hit"]) == (8, False)
+    path = r1["cache_path"]
+    for bad in ("{not json", json.dumps({"key": {**r1["cache_key"], "margin": 0.5}, "device_batch_size": 4})):
+        with open(path, "w") as f:
+            f.write(bad)
+        lines = []
+        b, r = run(log=lines.append)
+        assert (b, r["cache_hit"]) == (4, False)
+        assert any("warning: ignoring the cache file" in ln for ln in lines)
+        assert json.load(open(path))["key"] == r1["cache_key"]  # replaced by a valid entry
+    assert not [n for n in os.listdir(cache_dir) if not n.endswith(".json")]
+    assert drop_cached(r1["cache_key"]) and not os.path.exists(path) and not drop_cached(r1["cache_key"])
+
+
+@pytest.mark.unit
+def test_stale_real_cache_entry_is_verified_dropped_and_searched_again(monkeypatch, tmp_path):
+    """On real probes a hit is verified by one probe at the cached size; a size that no longer fits is dropped and a
+    search runs (catches reusing a cached size that now OOMs, e.g. after another process took memory)."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    model, optimizers = passed_tiny()
+    b1, r1 = discover_device_batch_size(lambda device: (model, optimizers), **REAL_TINY_ARGS)
+    b2, r2 = discover_device_batch_size(lambda device: (model, optimizers), **REAL_TINY_ARGS)
+    assert (b1, b2, r2["cache_hit"], [p["phase"] for p in r2["probes"]]) == (4, 4, True, ["cache check"])
+    model.capacity_rows = 2  # the device got smaller
+    b3, r3 = discover_device_batch_size(lambda device: (model, optimizers), **REAL_TINY_ARGS)
+    assert (b3, r3["cache_hit"], r3["probes"][0]["phase"], r3["probes"][0]["result"]) == (2, False, "cache check", "OOM")
+    assert json.load(open(r3["cache_path"]))["device_batch_size"] == 2
+
+
+@pytest.mark.unit
+def test_interrupted_cache_write_keeps_the_old_entry(monkeypatch, tmp_path):
+    """Atomic write: if the process dies between writing the temp file and os.replace, the old entry is intact."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    key = cache_key(**KEY_ARGS)
+    path = ab.write_cached(key, 4, [])
+
+    def crash(src, dst):
+        raise OSError("simulated crash before the rename")
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        ab.write_cached(key, 8, [])
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    assert ab.read_cached(key) == 4 and json.load(open(path))["device_batch_size"] == 4
+
+
+# ----------------------------------------------------------------------------- compiled verification (pure logic)
+
+@pytest.mark.unit
+@pytest.mark.parametrize("limit,expected,calls", [
+    (16, 16, [8, 16, 32]),  # compiled needs less memory: verified, then raised twice (3 probes max)
+    (8, 8, [8, 16]),  # verified, next one fails
+    (4, 4, [8, 4]),  # compiled needs more: step down
+    (1, None, [8, 4, 2]),  # nothing fits within 3 compiled probes
+])
+def test_compiled_verification_steps_down_or_up_within_three_probes(limit, expected, calls):
+    """Catches: trusting the eager size for the compiled model (nanochat #443), re-probing a size that failed, or
+    more compiled probes (recompiles) than MAX_COMPILED_PROBES."""
+    seen = []
+
+    def fits_compiled(b):
+        seen.append(b)
+        return b <= limit
+    cands = divisors(64)
+    if expected is None:
+        with pytest.raises(UserError, match="--compile=False"):
+            ab._refine_compiled(fits_compiled, cands, 8)
+    else:
+        assert ab._refine_compiled(fits_compiled, cands, 8) == expected
+    assert seen == calls and len(set(seen)) == len(seen)
+
+
+# ----------------------------------------------------------------------------- budget and plan mode
+
+@pytest.mark.unit
+def test_default_cpu_budget_is_half_of_memavailable_per_local_rank():
+    avail = ab._mem_available_bytes()
+    budget, desc = ab.device_memory_budget("cpu", None, local_world_size=2)
+    assert budget <= 0.25 * avail and budget > 0.25 * avail - GiB and budget % (256 * 2**20) == 0
+    assert desc["type"] == "cpu" and "MemAvailable" in desc["source"]
+    assert ab.device_memory_budget("cpu", 1.5)[0] == int(1.5 * GiB)
+    with pytest.raises(UserError, match="--device_memory_gb=0"):
+        ab.device_memory_budget("cpu", 0)
+
+
+@pytest.mark.smoke
+def test_plan_mode_prints_an_estimate_table():
+    out = subprocess.run([sys.executable, "-m", "nanotrain.auto_batch_size", "--depths=1,2", "--max_seq_len=32",
+                          "--vocab_size=256", "--total_batch_size=1024", "--device_memory_gb=0.02"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "ESTIMATE" in text and "fake CPU tensors" in text
+    assert re.search(r"^\s+1 \|\s+[\d,]+ \|\s+\d+ \|\s+[\d.]+ \| (yes|no)$", text, re.M)
+    found = re.findall(r"^\s+(\d) \| => device_batch_size=(\d+) \(grad_accum_steps=(\d+)\)$", text, re.M)
+    assert [d for d, _, _ in found] == ["1", "2"]
+    assert all(int(b) * int(g) * 32 == 1024 for _, b, g in found)
+
+
+@pytest.mark.unit
+def test_plan_mode_flags_are_checked():
+    with pytest.raises(UserError, match="--depths='a,b'"):
+        ab.main(["--depths=a,b"])
+    with pytest.raises(UserError, match="--margin=1.5"):
+        ab.main(["--margin=1.5"])
+
+
+# ----------------------------------------------------------------------------- GPU (skipped without CUDA)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_real_cuda_oom_under_the_memory_fraction_is_caught_and_cleaned_up():
+    """A real allocator OOM (P12): under set_per_process_memory_fraction(0.25) an allocation of half the device raises
+    torch.OutOfMemoryError, is_oom_error says so, and memory is back to its baseline after clean-up."""
+    dev = torch.device("cuda")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    prev = torch.cuda.get_per_process_memory_fraction(dev)
+    baseline = torch.cuda.memory_allocated(dev)
+    torch.cuda.set_per_process_memory_fraction(0.25, dev)
+    try:
+        caught = False
+        try:
+            x = torch.empty(total // 2, dtype=torch.uint8, device=dev)
+            del x
+        except Exception as exc:
+            caught = is_oom_error(exc) and isinstance(exc, torch.OutOfMemoryError)
+        assert caught
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_allocated(dev) == baseline
+    finally:
+        torch.cuda.set_per_process_memory_fraction(prev, dev)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_found_size_runs_20_steps_under_the_margin(monkeypatch, tmp_path):
+    """Discovery on an emulated small device (device_memory_gb), then 20 real training steps at the found size with
+    the allocator capped at margin * budget: no OOM and the reserved peak stays under the margin."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    dev = torch.device("cuda")
+    config = GPTConfig(max_seq_len=512, vocab_size=8192, n_layer=4, n_head=2, n_kv_head=2, model_dim=256)
+    build = gpt_builder(config)
+    gb, margin = 2.0, 0.85
+    batch_size, record = discover_device_batch_size(build, max_seq_len=512, vocab_size=8192,
+                                                    total_batch_size=512 * 256, world_size=1, device=dev,
+                                                    amp_dtype=torch.bfloat16, compile=False, margin=margin,
+                                                    device_memory_gb=gb, use_cache=False, key_fields={})
+    assert batch_size >= 1 and record["measurement"].startswith("real step on CUDA")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    prev = torch.cuda.get_per_process_memory_fraction(dev)
+    torch.cuda.set_per_process_memory_fraction(margin * gb * GiB / total, dev)
+    try:
+        model, optimizers = build(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        g = torch.Generator(device=dev).manual_seed(0)
+        for _ in range(20):
+            ab.probe_step(model, optimizers, batch_size, 512, 8192, device=dev, amp_dtype=torch.bfloat16, generator=g)
+        torch.cuda.synchronize(dev)
+        assert torch.cuda.max_memory_reserved(dev) <= margin * gb * GiB
+    finally:
+        torch.cuda.set_per_process_memory_fraction(prev, dev)
