@@ -7,6 +7,9 @@ Saved as plain data (no pickle) under <base_dir>/tokenizer/:
 - tokenizer.json: {"format": "nanotrain-bpe-1", "pattern", "vocab_size", "special_tokens": {name: id},
   "mergeable_ranks": [[base64 token bytes, rank], ...]} with ranks 0..n-1 in order.
 - token_bytes.npy: int32 (vocab_size,), the UTF-8 byte length of every token (0 for special tokens), for bits per byte.
+
+Chat format (render_conversation / render_for_completion / chat_messages): nanochat's layout of user and assistant
+turns between special tokens, with a mask that trains the assistant's tokens only.
 """
 
 import base64
@@ -150,6 +153,62 @@ class Tokenizer:
         """The bytes of one token id (the special token's UTF-8 string for special ids)."""
         return self.enc.decode_single_token_bytes(token_id)
 
+    def render_conversation(self, conversation, max_tokens=2048):
+        """
+        Renders a chat conversation for training, nanochat's format (karpathy/nanochat, tokenizer.py):
+            <|bos|>
+            <|user_start|> user text <|user_end|>                        mask 0
+            <|assistant_start|>                                          mask 0
+            assistant text                                               mask 1
+            <|python_start|> code <|python_end|>                         mask 1 (the tool call is trained)
+            <|output_start|> tool output <|output_end|>                  mask 0 (the tool writes it at test time)
+            <|assistant_end|>                                            mask 1
+            ... more turns
+        conversation: {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}; user and system
+        content is a str; assistant content is a str or a list of parts {"type": "text"|"python"|"python_output",
+        "text": str}. A leading system message is folded into the first user message: its text + "\n\n" + the
+        user's text (the format has no system role). Other keys are ignored.
+        Returns (ids, mask): two list[int] of the same length, truncated to the first `max_tokens` tokens; mask[i] is 1
+        where ids[i] is a target to train on. Raises ValueError (see chat_messages) for a malformed conversation.
+        """
+        ids, mask = [self.get_bos_token_id()], [0]
+
+        def add(tokens, m):
+            ids.extend(tokens)
+            mask.extend([m] * len(tokens))
+
+        s = self.special_tokens
+        for role, content in chat_messages(conversation):
+            if role == "user":
+                add([s["<|user_start|>"]] + self.encode(content) + [s["<|user_end|>"]], 0)
+                continue
+            add([s["<|assistant_start|>"]], 0)
+            for part in ([{"type": "text", "text": content}] if isinstance(content, str) else content):
+                if part["type"] == "text":
+                    add(self.encode(part["text"]), 1)
+                elif part["type"] == "python":
+                    add([s["<|python_start|>"]] + self.encode(part["text"]) + [s["<|python_end|>"]], 1)
+                else:  # python_output
+                    add([s["<|output_start|>"]] + self.encode(part["text"]) + [s["<|output_end|>"]], 0)
+            add([s["<|assistant_end|>"]], 1)
+        return ids[:max_tokens], mask[:max_tokens]
+
+    def render_for_completion(self, conversation):
+        """
+        The prompt for generating the assistant's next reply: the conversation rendered as in render_conversation
+        (not truncated) without its last message if that is the assistant's, followed by <|assistant_start|>.
+        Returns list[int]. Raises ValueError for a malformed conversation or one that (after dropping the assistant's
+        last message) does not end with a user message.
+        """
+        messages = list(_messages_list(conversation))
+        if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+            messages.pop()
+        if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "user":
+            raise ValueError("render_for_completion: the conversation must end with a user message "
+                             "(optionally followed by the assistant's reply, which is dropped)")
+        ids, _ = self.render_conversation({"messages": messages}, max_tokens=2**62)
+        return ids + [self.special_tokens["<|assistant_start|>"]]
+
     def token_bytes(self):
         """
         torch.int64 (vocab_size,): the number of UTF-8 bytes each token stands for, 0 for special tokens. Taken from
@@ -189,6 +248,62 @@ def _validate(data):
     if data["vocab_size"] != n + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {data['vocab_size']} != {n} merges + {len(SPECIAL_TOKENS)} special tokens")
     return ranks, pattern
+
+
+CHAT_PART_TYPES = ("text", "python", "python_output")
+
+
+def _messages_list(conversation):
+    if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
+        raise ValueError('expected a conversation {"messages": [...]} with a list of messages')
+    return conversation["messages"]
+
+
+def chat_messages(conversation):
+    """
+    The (role, content) turns of a conversation as the chat format renders them: a leading system message folded into
+    the first user message (system text + "\n\n" + user text), then user and assistant alternating, starting with
+    the user. Checks the structure only (empty text is allowed here; nanotrain.tasks.validate_conversation is stricter).
+    Raises ValueError with a one-line reason: not a dict with a "messages" list, no messages, a message that is not
+    {"role", "content"}, an unknown role, a system message that is not first or not followed by a user message,
+    roles out of order, user/system content that is not a str, or assistant content that is neither a str nor a list
+    of parts {"type": "text"|"python"|"python_output", "text": str}.
+    """
+    messages = _messages_list(conversation)
+    if not messages:
+        raise ValueError("the conversation has no messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i} must be an object with \"role\" and \"content\"")
+        role, content = m["role"], m["content"]
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"message {i} has role {role!r}; expected 'system', 'user' or 'assistant'")
+        if role == "system" and i != 0:
+            raise ValueError(f"message {i} is a system message; only the first message may be one")
+        if role in ("system", "user") and not isinstance(content, str):
+            raise ValueError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
+        if role == "assistant" and not isinstance(content, str):
+            if not isinstance(content, list):
+                raise ValueError(f"message {i} (assistant): content must be a string or a list of parts, "
+                                 f"got {type(content).__name__}")
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") in CHAT_PART_TYPES
+                        and isinstance(part.get("text"), str)):
+                    raise ValueError(f"message {i} (assistant) part {j}: expected {{\"type\": one of "
+                                     f"{'/'.join(CHAT_PART_TYPES)}, \"text\": string}}")
+        out.append((role, content))
+    if out[0][0] == "system":
+        if len(out) < 2 or out[1][0] != "user":
+            raise ValueError("the system message must be followed by a user message")
+        out = [("user", out[0][1] + "\n\n" + out[1][1])] + out[2:]
+    for i, (role, _) in enumerate(out):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if role != expected:
+            n = i + (len(messages) - len(out))  # index in the original messages
+            raise ValueError(f"message {n} has role {role!r} but {expected!r} was expected "
+                             f"(user and assistant must alternate, starting with the user)")
+    return out
 
 
 def get_tokenizer_dir():

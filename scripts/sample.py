@@ -9,7 +9,6 @@ import sys
 
 import torch
 
-from nanotrain.checkpoint import find_run_dir, list_checkpoints, load_checkpoint
 from nanotrain.common import UserError, autodetect_device_type, die
 from nanotrain.configurator import configure
 
@@ -26,27 +25,10 @@ config = configure(globals())
 
 
 def main():
-    from nanotrain.gpt import GPT, GPTConfig
-    from nanotrain.tokenizer import get_tokenizer
+    from nanotrain.engine import load_model
 
     device = torch.device(device_type or autodetect_device_type())
-    run_dir = find_run_dir(stage, run_name)
-    if run_dir is None:
-        where = f" for --run_name={run_name}" if run_name else ""
-        raise UserError(f"no {stage} checkpoint found{where}; "
-                        f"train one first (python scripts/base_train.py)")
-    paths = list_checkpoints(run_dir)
-    path = paths[-1] if step < 0 else next((p for p in paths if p.endswith(f"step_{step:06d}")), None)
-    if path is None:
-        raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
-    ckpt = load_checkpoint(path, device, load_optimizer=False)
-    tokenizer = get_tokenizer()
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**ckpt["meta"]["model_config"]))
-    model.to_empty(device=device)
-    model.init_weights()
-    model.load_state_dict(ckpt["model"])
-    model.eval()
+    model, tokenizer, path, _ = load_model(stage, run_name, step, device)
     ids = tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id())
     print(f"checkpoint: {path}", file=sys.stderr)
     print(prompt, end="", flush=True)

@@ -1,0 +1,90 @@
+"""
+Chat with a trained model in the terminal.
+
+    python scripts/chat_cli.py                          # interactive, the newest sft checkpoint
+    python scripts/chat_cli.py -p "What is 12 + 30?"    # one answer, then exit (same as --prompt="...")
+    python scripts/chat_cli.py --source=mid --run_name=cpu --temperature=0
+
+Interactive: type a message and press enter; 'clear' starts a new conversation, 'quit', 'exit' or Ctrl-D leaves.
+"""
+
+import sys
+
+import torch
+
+from nanotrain.common import UserError, autodetect_device_type, die
+from nanotrain.configurator import configure
+
+for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` -> --prompt=text
+    if _arg == "-p":
+        sys.argv[_i:_i + 2] = [f"--prompt={sys.argv[_i + 1]}"]
+        break
+
+source = "sft"  # which stage's checkpoint: sft | mid | base
+run_name = ""  # run name; "" picks the run with the newest checkpoint
+step = -1  # checkpoint step; -1 is the newest
+prompt = ""  # one-shot mode: answer this message and exit (also -p "text")
+temperature = 0.6  # 0 is greedy
+top_k = 50  # sample among the k most likely tokens; 0 means all
+max_tokens = 256  # most tokens per reply
+seed = 42  # sampling seed (turn t of a conversation uses seed + t)
+device_type = ""  # cuda | mps | cpu; "" autodetects
+config = configure(globals())
+
+
+def main():
+    from nanotrain.engine import Engine, load_model
+
+    device = torch.device(device_type or autodetect_device_type())
+    model, tokenizer, path, _ = load_model(source, run_name, step, device)
+    print(f"checkpoint: {path}", file=sys.stderr)
+    engine = Engine(model, tokenizer)
+
+    def reply(messages, turn):
+        """Streams the assistant's answer to `messages` to stdout and returns its text."""
+        ids = tokenizer.render_for_completion({"messages": messages})
+        out, shown = [], ""
+        for tok in engine.generate_stream(ids, max_tokens, temperature, top_k or None, seed + turn):
+            out.append(tok)
+            text = tokenizer.decode(out)  # decode it all: a token may end inside a UTF-8 character
+            if not text.endswith("\ufffd"):
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+        text = tokenizer.decode(out)
+        print(text[len(shown):], flush=True)
+        return text
+
+    if prompt:
+        reply([{"role": "user", "content": prompt}], 0)
+        return
+    print("nanotrain chat: 'clear' starts over, 'quit' or Ctrl-D leaves", file=sys.stderr)
+    messages = []
+    while True:
+        try:
+            line = input("\nUser: ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if line in ("quit", "exit"):
+            return
+        if line == "clear":
+            messages = []
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        print("Assistant: ", end="", flush=True)
+        try:
+            answer = reply(messages, len(messages) // 2)
+        except UserError as e:  # the conversation outgrew the model's positions
+            print(f"\n{e}; type 'clear' to start over", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": answer})
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        die(str(e))

@@ -1,0 +1,78 @@
+"""
+Accuracy of a checkpoint on the validation split of the built-in chat tasks (and optionally a JSONL of
+question/answer conversations), with greedy decoding. Prints a table and writes chat_eval.json into the run directory.
+
+    python scripts/chat_eval.py                                   # the newest sft checkpoint
+    python scripts/chat_eval.py --source=base --max_problems=50   # the baseline: a base model with the same prompts
+    python scripts/chat_eval.py --jsonl=qa.jsonl                  # also graded on the final line of each reply
+
+Every model gets the same chat prompt (nanotrain.tokenizer.render_for_completion); a base model, never trained on the
+chat format, mostly fails: that is the baseline. Grading: nanotrain.tasks.grade.
+"""
+
+import os
+import sys
+import time
+
+import torch
+
+from nanotrain.common import UserError, atomic_write_json, autodetect_device_type, die
+from nanotrain.configurator import configure
+
+source = "sft"  # which stage's checkpoint: sft | mid | base
+run_name = ""  # run name; "" picks the run with the newest checkpoint
+step = -1  # checkpoint step; -1 is the newest
+tasks = "arith,spell,identity"  # comma-separated built-in tasks (their val split); "" for none
+jsonl = ""  # optional JSONL file of conversations ending in the reference answer (graded on its final line)
+max_problems = -1  # problems per task (the first ones of its val split); -1 means all
+max_tokens = 64  # most tokens per answer (built-in answers take <= 55 with the 4,096-token tokenizer)
+batch_size = 64  # prompts of equal length decoded together
+device_type = ""  # cuda | mps | cpu; "" autodetects
+config = configure(globals())
+
+
+def main():
+    from nanotrain.engine import Engine, load_model
+    from nanotrain.tasks import grade, load_jsonl, load_task
+
+    device = torch.device(device_type or autodetect_device_type())
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    problem_sets = [(name, load_task(name, "val")) for name in names]
+    if jsonl:
+        problem_sets.append((f"jsonl:{os.path.basename(jsonl)}", load_jsonl(jsonl)[0]))
+    if not problem_sets:
+        raise UserError("nothing to evaluate: set --tasks (e.g. arith,spell,identity) and/or --jsonl=path")
+    model, tokenizer, path, meta = load_model(source, run_name, step, device)
+    print(f"checkpoint: {path}", file=sys.stderr)
+    engine = Engine(model, tokenizer)
+
+    results = {}
+    for name, problems in problem_sets:
+        problems = problems if max_problems < 0 else problems[:max_problems]
+        t0 = time.time()
+        prompts = [tokenizer.render_for_completion(c) for c in problems]
+        outs = engine.generate(prompts, max_tokens=max_tokens, temperature=0.0, max_batch=batch_size)
+        answers = [tokenizer.decode(o) for o in outs]
+        correct = sum(grade(c, a) for c, a in zip(problems, answers))
+        results[name] = {"correct": correct, "total": len(problems),
+                         "accuracy": correct / len(problems) if problems else 0.0}
+        if problems:
+            print(f"{name} example: {problems[0]['messages'][-2]['content']!r} -> {answers[0][:200]!r} "
+                  f"({'right' if grade(problems[0], answers[0]) else 'wrong'}; {time.time() - t0:.1f}s)")
+
+    print(f"\nchat eval of {source} checkpoint {path} (greedy, max_tokens {max_tokens})")
+    print(f"{'task':<24} {'correct':>8} {'total':>6} {'accuracy':>9}")
+    for name, r in results.items():
+        print(f"{name:<24} {r['correct']:>8} {r['total']:>6} {100 * r['accuracy']:>8.2f}%")
+    run_dir = os.path.dirname(os.path.dirname(path))  # <run_dir>/checkpoints/step_XXXXXX
+    out = os.path.join(run_dir, "chat_eval.json")
+    atomic_write_json(out, {"checkpoint": path, "step": meta.get("step"), "source": source, "config": config,
+                            "results": results})
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        die(str(e))

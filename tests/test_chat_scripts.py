@@ -1,0 +1,70 @@
+"""
+scripts/chat_eval.py and scripts/chat_cli.py through the command line, on a tiny base model trained for 3 steps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, TINY_TRAIN, run_script
+
+pytestmark = pytest.mark.smoke
+
+
+@pytest.fixture(scope="module")
+def trained(shared_base_dir, tmp_path_factory):
+    """A base dir (linking the shared corpus and tokenizer) with a 3-step base run named 'tiny'."""
+    base = tmp_path_factory.mktemp("chat_scripts")
+    os.symlink(shared_base_dir / "data", base / "data")
+    os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
+    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=3", "--run_name=tiny", base_dir=base)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return base
+
+
+def test_chat_eval_on_base_model(trained, tmp_path):
+    """Exits 0, prints the accuracy table for every task (the JSONL set included) and saves chat_eval.json."""
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                                                     {"role": "assistant", "content": f"Answer: {i + 1}"}]})
+                            for i in range(3)) + "\n")
+    r = run_script("chat_eval.py", "--source=base", "--max_problems=4", "--max_tokens=12", f"--jsonl={qa}",
+                   base_dir=trained)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["task", "correct", "total", "accuracy"])
+    rows = [line.split() for line in lines[header + 1:header + 5]]
+    assert [row[0] for row in rows] == ["arith", "spell", "identity", "jsonl:qa.jsonl"]
+    assert [row[2] for row in rows] == ["4", "4", "4", "3"] and all(row[3].endswith("%") for row in rows)
+    saved = json.load(open(os.path.join(trained, "base", "tiny", "chat_eval.json")))
+    assert saved["source"] == "base" and saved["step"] == 3
+    assert set(saved["results"]) == {"arith", "spell", "identity", "jsonl:qa.jsonl"}
+    assert saved["results"]["arith"]["total"] == 4
+
+
+def test_chat_cli_one_shot_and_interactive(trained):
+    """-p prints an answer and exits 0; the interactive loop reads turns from stdin, 'clear' and 'quit' work."""
+    r = run_script("chat_cli.py", "--source=base", "-p", "hi", "--max_tokens=8", "--temperature=0",
+                   base_dir=trained)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint:" in r.stderr and "step_000003" in r.stderr
+    assert "Overriding: prompt = 'hi'" in r.stderr  # settings go to stderr: stdout holds only the answer
+    assert r.stdout.endswith("\n") and "Overriding" not in r.stdout
+    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(trained), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "chat_cli.py"), "--source=base",
+                        "--max_tokens=6"], input="hello\nhow are you?\nclear\nhi\nquit\nnever read\n",
+                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("Assistant: ") == 3
+
+
+def test_missing_checkpoint_is_a_clean_error(trained):
+    """No sft run yet / an unknown task: one `error:` line saying what to do, exit code 2 (not a traceback)."""
+    r = run_script("chat_cli.py", "--source=sft", "--prompt=hi", base_dir=trained)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "error: no sft checkpoint found; train one first " \
+                                                "(python scripts/chat_sft.py)"
+    r = run_script("chat_eval.py", "--source=base", "--tasks=arith,chess", base_dir=trained)
+    assert r.returncode == 2 and "unknown built-in task 'chess'" in r.stderr

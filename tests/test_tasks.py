@@ -1,0 +1,238 @@
+"""
+Tests of nanotrain/tasks.py: JSONL / Hugging Face loading with validation (file:line errors, skip_bad_rows), the
+built-in tasks (determinism, disjoint splits, grading) and weighted mixtures.
+"""
+
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from nanotrain.common import UserError
+from nanotrain.tasks import (
+    BUILTIN_TASKS,
+    HOLDOUT_EVERY,
+    TRAIN_ROWS,
+    VAL_ROWS,
+    grade,
+    load_hf,
+    load_jsonl,
+    load_task,
+    load_task_mixture,
+    parse_task_spec,
+    validate_conversation,
+)
+
+GOOD = {"messages": [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]}
+
+
+def conv(*turns):
+    roles = ["user", "assistant"] * len(turns)
+    return {"messages": [{"role": r, "content": t} for r, t in zip(roles, turns)]}
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("obj, pattern", [
+    (GOOD, None),
+    ({"messages": [{"role": "system", "content": "s"}] + GOOD["messages"]}, None),
+    ([1, 2], "JSON object"),
+    ({"text": "hi"}, "messages"),
+    (conv("a", "b", "c"), "last message must be the assistant"),
+    (conv("a", "  "), "message 1 \\(assistant\\) has empty content"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": []}]}, "empty list of parts"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "'user' was expected"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "alternate"),
+    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}, "must be a string"),
+])
+def test_validate_conversation(obj, pattern):
+    """Catches accepting rows that would render wrongly (roles, order, types) or train on nothing (empty, no reply)."""
+    problem = validate_conversation(obj)
+    if pattern is None:
+        assert problem is None
+    else:
+        assert problem is not None and re.search(pattern, problem), problem
+
+
+@pytest.mark.unit
+def test_load_jsonl_errors_name_file_and_line(tmp_path):
+    """
+    The error names path:line of the first bad line, counting blank lines. Catches off-by-one line numbers (0-based
+    or counting only non-blank lines) and errors that do not say which file.
+    """
+    path = write_jsonl(tmp_path / "chat.jsonl", [GOOD, "", GOOD, "{not json", conv("a", "b", "c"), GOOD])
+    with pytest.raises(UserError, match=re.escape(f"{path}:4: not a valid UTF-8 JSON line")):
+        load_jsonl(path)
+    path2 = write_jsonl(tmp_path / "chat2.jsonl", [GOOD, conv("q", "a", "q2")])
+    with pytest.raises(UserError, match=re.escape(f"{path2}:2: the last message must be the assistant's")):
+        load_jsonl(path2)
+    with pytest.raises(UserError, match="no such JSONL file"):
+        load_jsonl(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.unit
+def test_load_jsonl_skip_bad_rows_counts(tmp_path):
+    """skip_bad_rows keeps every good row in order and counts each bad one. Catches counting blank lines as bad."""
+    lines = [GOOD, "{not json", conv("x", "y"), "", "[1]", "INVALID_UTF8", conv("a", "b", "c"), conv("p", "q")]
+    path = write_jsonl(tmp_path / "chat.jsonl", lines)
+    raw = open(path, "rb").read().replace(b"INVALID_UTF8", b'{"messages": "\xff\xfe"}')
+    open(path, "wb").write(raw)
+    rows, skipped = load_jsonl(path, skip_bad_rows=True)
+    assert skipped == 4
+    assert [r["messages"] for r in rows] == [GOOD["messages"], conv("x", "y")["messages"], conv("p", "q")["messages"]]
+    assert all(r["task"] == "jsonl" for r in rows)
+
+
+@pytest.mark.unit
+def test_load_hf_local_files_and_offline_error(base_dir, tmp_path, monkeypatch):
+    """
+    A local JSONL through `datasets` gives the same conversations as load_jsonl, split 1-in-HOLDOUT_EVERY into val;
+    a bad row names the row; a hub name with no network fails fast with a UserError naming the data set.
+    """
+    rows = [conv(f"question {i}", f"answer {i}") for i in range(45)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    train, skipped = load_hf(path, "train")
+    val, _ = load_hf(path, "val")
+    assert skipped == 0
+    assert [r["messages"] for r in val] == [rows[i]["messages"] for i in range(0, 45, HOLDOUT_EVERY)]
+    assert len(train) + len(val) == 45 and all(r["task"] == "hf" for r in train)
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows[:3] + [conv("q", "a", "q")])
+    with pytest.raises(UserError, match=re.escape(f"{bad}[train] row 3: the last message")):
+        load_hf(bad, "train")
+    assert load_hf(bad, "train", skip_bad_rows=True)[1] == 1
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: connection refused at once
+    with pytest.raises(UserError, match="could not load the Hugging Face data set someone/chat.*offline"):
+        load_hf("someone/chat", "train")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", BUILTIN_TASKS)
+def test_builtin_tasks_deterministic_sized_and_self_consistent(base_dir, name):
+    """
+    Same seed -> identical rows, another seed -> other rows; sizes as documented; every reference reply is a valid
+    conversation that its own grader accepts. Catches a generator seeded from global state, or a reference answer
+    the grader cannot parse.
+    """
+    a, b, c = load_task(name, "train", seed=0), load_task(name, "train", seed=0), load_task(name, "train", seed=1)
+    assert a == b and a != c
+    assert len(a) == TRAIN_ROWS[name] and len(load_task(name, "val")) == VAL_ROWS[name]
+    for row in a[:300] + load_task(name, "val"):
+        assert validate_conversation(row) is None and row["task"] == name
+        assert grade(row, row["messages"][-1]["content"])
+
+
+def problem_keys(rows):
+    """The underlying problem of each row: arith (a op b), spell (the word), identity (the bare question)."""
+    keys = set()
+    for r in rows:
+        if r["task"] == "arith":
+            keys.add(r["messages"][-1]["content"].split(" =")[0])
+        elif r["task"] == "spell":
+            keys.add(re.search(r"^(?:Spelling )?([a-z]+)", r["messages"][-1]["content"]).group(1))
+        else:
+            for m in r["messages"][::2]:
+                q = m["content"]
+                for g in ("Hi! ", "Hello. ", "Hey, ", "Good morning! ", "Quick question: "):
+                    q = q.removeprefix(g)
+                keys.add(q.lower().rstrip("?."))
+    return keys
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", BUILTIN_TASKS)
+def test_builtin_splits_are_disjoint(base_dir, name):
+    """No problem of val appears in train, for two seeds. Catches a split drawn from the same pool as train."""
+    for seed in (0, 7):
+        train, val = problem_keys(load_task(name, "train", seed)), problem_keys(load_task(name, "val", seed))
+        assert val and train and not (train & val)
+
+
+@pytest.mark.unit
+def test_grade_right_and_wrong(base_dir):
+    """
+    Lenient on the form, strict on the final answer. Catches graders that take the first or last number anywhere (a
+    rambling base model would score by chance) or accept the word itself as a spelling.
+    """
+    arith = {"task": "arith", "answer": "85", "messages": []}
+    assert grade(arith, "37 + 48 = 37 + 40 + 8 = 77 + 8 = 85.\nAnswer: 85")
+    assert grade(arith, "the answer is 85.")
+    assert grade(arith, "85")
+    assert not grade(arith, "37 + 48 = 85.\nAnswer: 86")  # a right intermediate line does not count
+    assert not grade(arith, "Answer: 85 or 86")  # two candidates
+    assert not grade(arith, "85, 85, 85, 85")  # a base model's number spam is no answer
+    assert not grade(arith, "37 + 48 = 85.")  # no "Answer" and the last line holds several numbers
+    assert not grade(arith, "")
+    big = {"task": "arith", "answer": "1000", "messages": []}
+    assert grade(big, "Answer: 1,000")
+    count = {"task": "spell", "answer": "2", "messages": []}
+    assert grade(count, "Spelling error: e-r-r-o-r\nThe letter o is at positions 4.\nAnswer: 2")
+    assert not grade(count, "Answer: 3")
+    spelled = {"task": "spell", "answer": "s-t-r-i-n-g", "messages": []}
+    assert grade(spelled, "string is spelled s-t-r-i-n-g.\nAnswer: s-t-r-i-n-g")
+    assert grade(spelled, "S, T, R, I, N, G")
+    assert not grade(spelled, "Answer: string")  # not spelled out
+    assert not grade(spelled, "Answer: s-t-r-i-n")
+    ident = {"task": "identity", "keywords": ["python", "documentation"], "messages": []}
+    assert grade(ident, "I was trained on Python's Documentation.")
+    assert not grade(ident, "I was trained on Python code.")
+    generic = conv("What is the capital of France?", "The capital is Paris.\nAnswer: Paris")
+    generic["task"] = "jsonl"
+    assert grade(generic, "It is Paris, of course.\nanswer: paris.")
+    assert not grade(generic, "Answer: Lyon")
+
+
+@pytest.mark.unit
+def test_mixture_weights_and_determinism(base_dir, tmp_path):
+    """
+    Weight 2 puts every row in twice, 0.5 a half, 1.5 all once plus half; the same seed gives the same order, another
+    seed another order; val ignores weights. Catches weights read as probabilities or applied to val.
+    """
+    arith = load_task("arith", "train", 0)
+    ident = load_task("identity", "train", 0)
+    key = lambda r: json.dumps(r, sort_keys=True)
+    counts = Counter(key(r) for r in load_task_mixture("arith:2,identity:0.5", "train", seed=0))
+    assert sum(counts.values()) == 2 * len(arith) + len(ident) // 2
+    base_counts = Counter(map(key, arith))
+    assert all(counts[k] == 2 * n for k, n in base_counts.items())
+    mixed = load_task_mixture("arith:1.5", "train", seed=3)
+    assert len(mixed) == len(arith) + len(arith) // 2
+    first = load_task_mixture("arith,spell:1,identity:2", "train", seed=0)
+    assert first == load_task_mixture("arith,spell:1,identity:2", "train", seed=0)
+    assert first != load_task_mixture("arith,spell:1,identity:2", "train", seed=1)
+    assert len(load_task_mixture("arith:3,identity:0.1", "val")) == VAL_ROWS["arith"] + VAL_ROWS["identity"]
+    # a JSONL source: every HOLDOUT_EVERY-th row is val, the rest train
+    rows = [conv(f"q{i}", f"a{i}") for i in range(40)]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    assert len(load_task_mixture(f"jsonl:{path}:2", "train")) == 2 * 38
+    assert len(load_task_mixture(f"jsonl:{path}", "val")) == 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("spec, pattern", [
+    ("arith,chess:1", "part 'chess:1': unknown task 'chess'"),
+    ("arith:x", "part 'arith:x': weight 'x' is not a number"),
+    ("arith:0", "part 'arith:0': weight must be a number > 0"),
+    ("arith:-1", "weight must be"),
+    ("jsonl:", "part 'jsonl:': missing the jsonl path"),
+    ("", "expected comma-separated parts"),
+    ("arith,,spell", "part '': unknown task"),
+])
+def test_bad_mixture_spec_names_the_part(spec, pattern):
+    """Catches a spec typo silently dropping a task or training with a weight of 0."""
+    with pytest.raises(UserError, match=re.escape(pattern)):
+        parse_task_spec(spec)
+
+
+@pytest.mark.unit
+def test_spec_parsing_paths_and_weights():
+    """A path keeps its own colons unless the last part is a number. Catches splitting 'hf:owner/name' wrongly."""
+    assert parse_task_spec("arith,spell:2,jsonl:/a/b.jsonl:0.5,hf:HuggingFaceTB/smol-smoltalk,jsonl:c:d.jsonl") == [
+        ("arith", None, 1.0), ("spell", None, 2.0), ("jsonl", "/a/b.jsonl", 0.5),
+        ("hf", "HuggingFaceTB/smol-smoltalk", 1.0), ("jsonl", "c:d.jsonl", 1.0)]
