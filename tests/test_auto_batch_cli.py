@@ -52,6 +52,7 @@ def test_manual_device_batch_size_wins(base_dir):
 
 
 @pytest.mark.dist
+@pytest.mark.timeout(300)
 def test_torchrun_ranks_agree(base_dir):
     r = run_script("base_train.py", *AUTO, "--run_name=d", base_dir=base_dir, nproc=2)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])

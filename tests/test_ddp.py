@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.training import check_replicas, forward_backward, global_mean_and_flag, optimizer_step
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 2
 
 
