@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from nanotrain.auto_batch_size import GiB, discover_device_batch_size, gpt_builder, measure_fake_peak
 from nanotrain.gpt import GPTConfig
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 WORLD = 2
 DEADLINE_S = 240
 CONFIG = GPTConfig(max_seq_len=32, vocab_size=256, n_layer=1, n_head=2, n_kv_head=2, model_dim=32)
