@@ -204,5 +204,5 @@ def get_peak_flops(device, dtype=torch.float32):
             if key in name:
                 return flops, f"{name} bf16 dense datasheet peak"
         return measure_matmul_flops(torch.bfloat16, 4096, 1.0, device), f"{name} measured bf16 matmul"
-    flops = measure_matmul_flops(dtype, 1024, 1.0, device)
+    flops = measure_matmul_flops(dtype, 1024, 0.3, device)
     return flops, f"measured {str(dtype).replace('torch.', '')} matmul on {device.type}"

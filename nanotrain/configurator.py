@@ -21,6 +21,7 @@ import tokenize
 from nanotrain.common import print0
 
 SETTING_TYPES = (int, float, bool, str, type(None))
+LITERAL_ERRORS = (ValueError, SyntaxError, TypeError, MemoryError, RecursionError)  # ast.literal_eval on any text
 
 
 class ConfigError(Exception):
@@ -49,13 +50,20 @@ def _declared_settings(source, stop_line):
     return settings
 
 
+def _shown(raw, limit=80):
+    """`raw` as it appears in a one-line message: escaped if it holds line breaks or control characters, and cut."""
+    text = raw if raw.isprintable() else repr(raw)[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _type_name(value):
     return "None" if value is None else type(value).__name__
 
 
-def parse_value(name, raw, default):
+def parse_value(name, raw, default, none_types=None):
     """
     Parses the text `raw` given for setting `name` against its `default`. Returns the typed value.
+    A None default takes any literal, or only None and `none_types` (a tuple of types) when given.
     Raises ConfigError when the literal is malformed or of the wrong type.
     """
     if isinstance(default, str):
@@ -64,31 +72,37 @@ def parse_value(name, raw, default):
             value = ast.literal_eval(raw)
             if isinstance(value, str):
                 return value
-        except (ValueError, SyntaxError):
+        except LITERAL_ERRORS:
             pass
         return raw
     try:
         value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        raise ConfigError(f"--{name}={raw}: not a Python literal; expected {_type_name(default)} "
+    except LITERAL_ERRORS:
+        raise ConfigError(f"--{name}={_shown(raw)}: not a Python literal; expected {_type_name(default)} "
                           f"(default {default!r})") from None
     if default is None:
+        if none_types and value is not None and type(value) not in none_types:
+            if not (float in none_types and type(value) is int):
+                expected = " or ".join(t.__name__ for t in none_types)
+                raise ConfigError(f"--{name}={_shown(raw)}: expected {expected} or None, got {_type_name(value)}")
+            value = float(value)
         return value
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ConfigError(f"--{name}={raw}: expected bool (True or False), got {_type_name(value)}")
+            raise ConfigError(f"--{name}={_shown(raw)}: expected bool (True or False), got {_type_name(value)}")
         return value
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not type(default):
-        raise ConfigError(f"--{name}={raw}: expected {_type_name(default)} (default {default!r}), "
+        raise ConfigError(f"--{name}={_shown(raw)}: expected {_type_name(default)} (default {default!r}), "
                           f"got {_type_name(value)}")
     return value
 
 
-def apply_overrides(settings, args):
+def apply_overrides(settings, args, none_types=None):
     """
     Applies `--name=value` strings in `args` to the dict `settings` (name -> default) and returns the new dict.
+    none_types: {name: tuple of types} for settings whose default is None.
     Raises ConfigError for a malformed argument, an unknown name (with the closest known name) or a wrong type.
     """
     out = dict(settings)
@@ -102,7 +116,7 @@ def apply_overrides(settings, args):
             close = difflib.get_close_matches(name, list(settings), n=1, cutoff=0.5)
             hint = f" (did you mean --{close[0]}?)" if close else " (see --help)"
             raise ConfigError(f"unknown setting --{name}{hint}")
-        out[name] = parse_value(name, raw, settings[name])
+        out[name] = parse_value(name, raw, settings[name], (none_types or {}).get(name))
     return out
 
 
@@ -118,10 +132,11 @@ def format_help(doc, settings, comments):
     return "\n".join(lines)
 
 
-def configure(g, argv=None):
+def configure(g, argv=None, none_types=None):
     """
     Reads the settings of the script whose module globals are `g` (the plain literal globals assigned above the
     call), applies `--name=value` overrides from `argv` (default sys.argv[1:]) back into `g`, handles `--help`
+    (none_types: {name: tuple of types} allowed for settings whose default is None)
     (prints and exits 0), and returns the final settings as a dict. A bad argument prints `error: <one line>`
     and exits with code 2.
     """
@@ -139,7 +154,7 @@ def configure(g, argv=None):
         print(format_help(g.get("__doc__"), settings, comments))
         sys.exit(0)
     try:
-        final = apply_overrides(settings, argv)
+        final = apply_overrides(settings, argv, none_types)
     except ConfigError as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -154,9 +154,14 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     """
     One update of every optimizer: clip the (already synchronised, so global) gradient norm to grad_clip if > 0,
     set each group's lr to initial_lr * lrm and Muon's momentum, step, and zero the gradients (set to None).
-    Returns the gradient norm before clipping (a 0-dim tensor) or None.
+    If the global gradient norm is NaN/inf nothing is updated and the gradients are dropped (with the soft-capped
+    loss a NaN gradient shows up a step before a NaN loss); the caller stops with check_finite on the returned norm.
+    Returns the gradient norm before clipping (a 0-dim fp32 tensor, also when grad_clip is 0).
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip > 0 else None
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if not torch.isfinite(grad_norm):
+        model.zero_grad(set_to_none=True)
+        return grad_norm
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = group["initial_lr"] * lrm
@@ -180,10 +185,13 @@ def global_mean_and_flag(value, flag, device):
     return stats[0].item(), stats[1].item() > 0
 
 
-def check_finite(loss, step, run_dir):
-    """Raises UserError naming the step if the loss is NaN or inf (called before the update, so nothing is lost)."""
-    if not math.isfinite(loss):
-        raise UserError(f"non-finite loss {loss} at step {step}; stopped before the update (the last checkpoint "
+def check_finite(value, step, run_dir, what="loss"):
+    """
+    Raises UserError naming the step if `value` (the loss, or the gradient norm) is NaN or inf. Called before the
+    update is applied, so the weights and the last checkpoint are intact.
+    """
+    if not math.isfinite(value):
+        raise UserError(f"non-finite {what} {value} at step {step}; stopped before the update (the last checkpoint "
                         f"in {run_dir}/checkpoints is intact; try a lower lr)")
 
 

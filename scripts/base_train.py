@@ -83,7 +83,8 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
-config = configure(globals())
+config = configure(globals(), none_types={"device_batch_size": (int,), "device_memory_gb": (float,),
+                                          "max_batch_size": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
 def batch_arithmetic_error(total, B, T, world):
@@ -283,14 +284,15 @@ def main():
         check_finite(train_loss, step, run_dir)
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
         grad_norm = optimizer_step(orig_model, optimizers, lrm, muon_momentum(step), grad_clip)
+        check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
         synchronize(device)
         dt = time.time() - t0
         step += 1
         tokens_seen += total_batch_size
         if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
             train_time += dt
-        gn = None if grad_norm is None else grad_norm.item()
-        line, row = step_log_line(step, total_steps, train_loss, gn, lrm, dt, total_batch_size, flops_per_token,
+        line, row = step_log_line(step, total_steps, train_loss, grad_norm.item(), lrm, dt, total_batch_size,
+                                  flops_per_token,
                                   peak_flops, world_size)
         print0(line)
         metrics.log(**row, tokens=tokens_seen)

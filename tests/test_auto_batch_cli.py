@@ -5,7 +5,6 @@ import os
 import re
 
 import pytest
-
 from conftest import TINY_TRAIN, run_script
 
 pytestmark = pytest.mark.smoke

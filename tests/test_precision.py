@@ -1,0 +1,161 @@
+"""
+The precision policy of the training step on CPU: bf16 autocast lowers the matmuls only; parameters, gradients and
+the optimizer state of AdamW and Muon stay fp32, and the loss is computed from fp32 logits. The guard test shows why
+it matters: many small updates must change most parameter elements, which a model stored in bf16 cannot do
+(trainers.md D1, D2 and A6).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanotrain.gpt import GPT, SOFTCAP, GPTConfig
+from nanotrain.training import forward_backward, optimizer_step, precision
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+CONFIG = GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (2 OpenMP threads on a busy 2-core machine were 70x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_model(seed=0):
+    """A tiny GPT whose zero-initialised c_proj and 0.001-std lm_head get N(0, 0.05) weights, so that every element's
+    update is small relative to its weight (a zero weight moves in bf16 too, which would blur the guard)."""
+    torch.manual_seed(seed)
+    model = GPT(CONFIG)
+    model.init_weights()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "c_proj" in name or "lm_head" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def batch(step, rows=8):
+    g = torch.Generator().manual_seed(1000 + step)
+    seq = torch.randint(0, CONFIG.vocab_size, (rows, CONFIG.max_seq_len + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def non_fp32_state(model, optimizers):
+    """Names of the parameters, gradients and optimizer-state tensors that are not fp32 (floating point only)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    bad = [f"param {n}" for n, p in model.named_parameters() if p.dtype != torch.float32]
+    bad += [f"grad {n}" for n, p in model.named_parameters() if p.grad is not None and p.grad.dtype != torch.float32]
+    for opt in optimizers:
+        for p, state in opt.state.items():
+            for key, t in state.items():
+                if torch.is_tensor(t) and t.is_floating_point() and t.dtype != torch.float32:
+                    bad.append(f"{type(opt).__name__} {key} of {names[id(p)]}")
+    return bad
+
+
+def one_bf16_step(model, device=CPU):
+    """One training step as base_train runs it with --dtype=bfloat16 (accumulation 2) on `device`. Returns
+    (optimizers, dtypes seen: the c_q matmul output under autocast, the gradients right before the update)."""
+    model.to(device)
+    optimizers = model.setup_optimizers()
+    amp, ctx = precision("bfloat16", device)
+    assert amp == "bfloat16"
+    seen = {}
+
+    def record(module, inputs, out):
+        seen.setdefault("matmul", out.dtype)
+    hook = model.blocks[0].attn.c_q.register_forward_hook(record)
+    x, y = batch(0)
+    forward_backward(model, x.to(device), y.to(device), 4, ctx)
+    hook.remove()
+    seen["grads"] = {p.grad.dtype for p in model.parameters()}
+    optimizer_step(model, optimizers, 1.0, 0.95, 1.0)
+    return optimizers, seen
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_bf16_autocast_keeps_fp32_master_state(device):
+    """
+    After a step under bf16 autocast (the matmuls really run in bf16, checked with a hook) every parameter, gradient
+    and AdamW/Muon state tensor (exp_avg, exp_avg_sq, momentum_buffer) is fp32, on CPU and (gpu tier) on CUDA, where
+    AdamW is fused and Muon orthogonalises in bf16. Wrong variant exercised: a model cast to bf16
+    (`model.to(torch.bfloat16)`, "pure bf16" training) trains too, but fails the same check.
+    """
+    device = torch.device(device)
+    model = tiny_model()
+    optimizers, seen = one_bf16_step(model, device)
+    assert seen["matmul"] == torch.bfloat16, "autocast did not lower the matmuls: the test would prove nothing"
+    assert seen["grads"] == {torch.float32}
+    kinds = {(type(o).__name__, k) for o in optimizers for s in o.state.values() for k in s}
+    assert {("AdamW", "exp_avg"), ("AdamW", "exp_avg_sq"), ("Muon", "momentum_buffer")} <= kinds
+    assert non_fp32_state(model, optimizers) == []
+    # counter-example: pure bf16 (parameters, and so gradients and optimizer state, stored in bf16)
+    bad_model = tiny_model().to(torch.bfloat16)
+    bad_opts, bad_seen = one_bf16_step(bad_model, device)
+    bad = non_fp32_state(bad_model, bad_opts)
+    assert bad_seen["grads"] == {torch.bfloat16}
+    assert any(b.startswith("param") for b in bad) and any(b.startswith("AdamW") for b in bad)
+    assert any(b.startswith("Muon") for b in bad)
+
+
+def test_loss_is_cross_entropy_of_fp32_logits_under_autocast():
+    """
+    Under bf16 autocast the loss is fp32 and equals the cross-entropy of the fp32 soft-capped logits computed from the
+    lm_head output (1e-6). Wrong variant exercised: soft-capping the bf16 lm_head output without the upcast (CPU
+    autocast still returns an fp32 cross-entropy, so only the value can tell) is off by more than 1e-4.
+    """
+    model = tiny_model()
+    _, ctx = precision("bfloat16", CPU)
+    x, y = batch(1)
+    with torch.no_grad():  # logits of a trained model's size (std ~6), where the soft-cap's precision matters
+        model.lm_head.weight.normal_(0, 1.0)
+    captured = {}
+
+    def record(module, inputs, out):
+        captured.setdefault("head", out)
+    hook = model.lm_head.register_forward_hook(record)
+    with ctx:
+        loss = model(x, y)
+        logits = model(x)
+    hook.remove()
+    head = captured["head"]
+    assert head.dtype == torch.bfloat16 and loss.dtype == torch.float32 and logits.dtype == torch.float32
+    ref = F.cross_entropy((SOFTCAP * torch.tanh(head.float() / SOFTCAP)).view(-1, CONFIG.vocab_size), y.view(-1))
+    assert abs(loss.item() - ref.item()) < 1e-6
+    with ctx:  # the wrong variant: soft-cap computed in bf16
+        wrong = F.cross_entropy((SOFTCAP * torch.tanh(head / SOFTCAP)).view(-1, CONFIG.vocab_size), y.view(-1))
+    assert abs(wrong.item() - ref.item()) > 1e-4
+
+
+def changed_fraction(param_dtype, steps=100, lr=1e-5):
+    """Fraction of parameter elements that differ from their initial value after `steps` steps at lr for every group
+    (AdamW for wte/lm_head, Muon for the blocks), with bf16 autocast and parameters stored in param_dtype."""
+    model = tiny_model().to(param_dtype)
+    optimizers = model.setup_optimizers(matrix_lr=lr, embedding_lr=lr, unembedding_lr=lr)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, ctx = precision("bfloat16", CPU)
+    for step in range(steps):
+        x, y = batch(step)
+        forward_backward(model, x, y, 8, ctx)
+        optimizer_step(model, optimizers, 1.0, 0.95, 1.0)
+    changed = sum((p.detach() != b).sum().item() for p, b in zip(model.parameters(), before))
+    return changed / sum(p.numel() for p in model.parameters())
+
+
+def test_many_small_updates_change_most_parameters():
+    """
+    Guard against bf16 master weights (trainers.md D2: 98.6% against 2.6%): 100 steps at lr 1e-5 under bf16 autocast
+    change >= 90% of the parameter elements when the parameters are fp32. Wrong variant exercised: the same run with
+    the parameters stored in bf16 loses almost every update to rounding and changes < 20% (measured ~2.4%).
+    """
+    good = changed_fraction(torch.float32)
+    bad = changed_fraction(torch.bfloat16)
+    assert good >= 0.90, good
+    assert bad < 0.20, bad
