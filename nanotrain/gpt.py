@@ -5,10 +5,14 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - pre-norm blocks, no biases, ReLU^2 MLP with 4x width (So et al. 2021, "Primer"), untied wte / lm_head
 - logit soft-cap 15 * tanh(logits / 15) in fp32 (Gemma 2 / modded-nanogpt), optional GQA (Ainslie et al. 2023)
 - zero-initialised output projections; Muon for block matrices, AdamW for embedding and lm_head.
+- packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
+  (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
+  (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
 """
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -18,9 +22,9 @@ from nanotrain.common import UserError, print0
 from nanotrain.muon import Muon
 
 try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenever it is absent
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 ROTARY_BASE = 10000
 SOFTCAP = 15.0
@@ -57,11 +61,50 @@ def norm(x):
 
 
 def apply_rotary_emb(x, cos, sin):
-    """Rotates the two halves of the head dim. x: (B, T, H, D); cos, sin: (1, T, 1, D/2). Returns x's shape/dtype."""
+    """Rotates the two halves of the head dim. x: (B, T, H, D); cos, sin: (1 or B, T, 1, D/2). Same shape/dtype out."""
     d = x.size(3) // 2
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x[..., :d], x[..., d:]
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
+
+
+class Segments(NamedTuple):
+    """
+    The layout of packed rows, from segment_info(). positions: int64 (B, T), each token's position inside its own
+    segment (0 at a segment's first token). mask: bool (B, 1, T, T), True where query t may attend to key s (same
+    segment and s <= t), for SDPA; None on the flash-attn path. cu_seqlens: int32 (num_segments + 1,), the start
+    offsets of the segments in the flattened (B*T) tokens followed by B*T, for flash_attn_varlen_func; None on the
+    SDPA path. max_seqlen: the longest segment in tokens (int; 0 on the SDPA path).
+    """
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+
+
+def segment_info(doc_ids, varlen=False):
+    """
+    Segments of packed rows. doc_ids: int (B, T), the sequence id of every token; a segment is a run of equal
+    consecutive ids inside one row (so ids may repeat across rows, and only changes between neighbours matter).
+    varlen=True builds cu_seqlens/max_seqlen (flash-attn's variable-length kernel), else the SDPA boolean mask.
+    Returns Segments. E.g. one row with doc_ids [0, 0, 0, 1, 1] gives positions [0, 1, 2, 0, 1] and
+    cu_seqlens [0, 3, 5].
+    """
+    B, T = doc_ids.shape
+    device = doc_ids.device
+    start = torch.ones(B, T, dtype=torch.bool, device=device)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    ar = torch.arange(T, device=device).expand(B, T)
+    positions = ar - torch.where(start, ar, 0).cummax(dim=1).values
+    if varlen:
+        starts = start.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([starts, torch.tensor([B * T], device=device)]).to(torch.int32)
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+        return Segments(positions, None, cu_seqlens, max_seqlen)
+    seg = start.cumsum(dim=1)  # segment number inside the row
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+    return Segments(positions, mask[:, None], None, 0)
 
 
 class KVCache:
@@ -108,19 +151,28 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
 
-    def forward(self, x, cos_sin, kv_cache=None):
+    def forward(self, x, cos_sin, kv_cache=None, segments=None):
         B, T, _ = x.size()
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         q, k = apply_rotary_emb(q, *cos_sin), apply_rotary_emb(k, *cos_sin)
         q, k = norm(q).to(v.dtype), norm(k).to(v.dtype)  # QK norm (autocast may have upcast the norm)
-        if kv_cache is None and flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if segments is not None and segments.cu_seqlens is not None:  # packed rows on flash-attn's varlen kernel
+            cu, n = segments.cu_seqlens, segments.max_seqlen
+            y = flash_attn_varlen_func(q.reshape(B * T, self.n_head, self.head_dim),
+                                       k.reshape(B * T, self.n_kv_head, self.head_dim),
+                                       v.reshape(B * T, self.n_kv_head, self.head_dim), cu, cu, n, n, causal=True)
+            y = y.view(B, T, self.n_head, self.head_dim)
+        elif (kv_cache is None and segments is None and flash_attn_func is not None and q.is_cuda
+              and q.dtype in (torch.bfloat16, torch.float16)):
             y = flash_attn_func(q, k, v, causal=True)  # (B, T, H, D) layout, GQA handled natively
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
             gqa = self.n_kv_head != self.n_head
-            if kv_cache is None:
+            if segments is not None:  # packed rows: block-diagonal causal mask
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, enable_gqa=gqa)
+            elif kv_cache is None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             else:
                 k, v = kv_cache.insert_kv(self.layer_idx, k, v)
@@ -153,8 +205,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos_sin, kv_cache=None):
-        x = x + self.attn(norm(x), cos_sin, kv_cache)
+    def forward(self, x, cos_sin, kv_cache=None, segments=None):
+        x = x + self.attn(norm(x), cos_sin, kv_cache, segments)
         return x + self.mlp(norm(x))
 
 
@@ -249,21 +301,40 @@ class GPT(nn.Module):
                 group["initial_lr"] = group["lr"]
         return [adamw, muon]
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean"):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", doc_ids=None):
         """
         idx: int64 (B, T) token ids. Without targets returns fp32 logits (B, T, vocab_size) (soft-capped at +-15).
         With targets (int64 (B, T), -1 = ignored) returns the fp32 cross-entropy: a scalar for loss_reduction "mean"
-        or "sum", (B*T,) for "none" (0 at ignored positions). With kv_cache, the T tokens sit at positions
-        kv_cache.pos.. and attend to the cached prefix. Raises ValueError past the rotary table (10 * max_seq_len).
+        or "sum", (B*T,) for "none" (0 at ignored positions). "sum" over no counted target is 0 (not NaN); "mean"
+        over none is NaN. With kv_cache, the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix.
+        doc_ids: optional int (B, T) sequence id per token for packed rows (see segment_info): every run of equal
+        consecutive ids is an independent sequence with positions from 0 that attends only to itself; the caller
+        masks targets that would cross a boundary. Runs on flash-attn's varlen kernel on CUDA in bf16/fp16 when
+        flash-attn is installed, else SDPA with an explicit boolean mask. Without doc_ids nothing changes.
+        Raises ValueError past the rotary table (10 * max_seq_len; with doc_ids: a segment longer than it, the row may
+        be longer), or for doc_ids with a kv_cache or of another shape.
         """
         B, T = idx.size()
         t0 = 0 if kv_cache is None else kv_cache.pos
-        if t0 + T > self.rotary_len:
-            raise ValueError(f"sequence end {t0 + T} exceeds the rotary table length {self.rotary_len}")
-        cos_sin = self.cos[:, t0:t0 + T], self.sin[:, t0:t0 + T]
+        segments = None
+        if doc_ids is None:
+            if t0 + T > self.rotary_len:
+                raise ValueError(f"sequence end {t0 + T} exceeds the rotary table length {self.rotary_len}")
+            cos_sin = self.cos[:, t0:t0 + T], self.sin[:, t0:t0 + T]
+        else:
+            if kv_cache is not None or doc_ids.shape != idx.shape:
+                raise ValueError(f"doc_ids must have idx's shape {tuple(idx.shape)} and no kv_cache, got "
+                                 f"{tuple(doc_ids.shape)}{' with a kv_cache' if kv_cache is not None else ''}")
+            dev = idx.device.type
+            dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.wte.weight.dtype
+            varlen = flash_attn_varlen_func is not None and idx.is_cuda and dtype in (torch.bfloat16, torch.float16)
+            segments = segment_info(doc_ids, varlen)
+            if T > self.rotary_len and segments.positions.max().item() >= self.rotary_len:  # rows may be longer
+                raise ValueError(f"a packed sequence exceeds the rotary table length {self.rotary_len}")
+            cos_sin = self.cos[0, segments.positions], self.sin[0, segments.positions]  # (B, T, 1, D/2)
         x = norm(self.wte(idx))
         for block in self.blocks:
-            x = block(x, cos_sin, kv_cache)
+            x = block(x, cos_sin, kv_cache, segments)
         logits = self.lm_head(norm(x)).float()
         logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
         if targets is None:
