@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from nanotrain.common import UserError, print0
 from nanotrain.muon import Muon
@@ -329,7 +330,9 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.wte.weight.dtype
             varlen = flash_attn_varlen_func is not None and idx.is_cuda and dtype in (torch.bfloat16, torch.float16)
             segments = segment_info(doc_ids, varlen)
-            if T > self.rotary_len and segments.positions.max().item() >= self.rotary_len:  # rows may be longer
+            # rows may be longer than the table, segments not (the check reads data: skipped for the fake tensors of
+            # nanotrain.auto_batch_size's memory probes)
+            if T > self.rotary_len and not is_fake(idx) and segments.positions.max().item() >= self.rotary_len:
                 raise ValueError(f"a packed sequence exceeds the rotary table length {self.rotary_len}")
             cos_sin = self.cos[0, segments.positions], self.sin[0, segments.positions]  # (B, T, 1, D/2)
         x = norm(self.wte(idx))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The CPU recipe: build the builtin corpus (offline), train a tokenizer, pretrain a small GPT, evaluate it (val bpb)
-# and sample from it. About 10 minutes on 2 cores. Outputs go to $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
+# The CPU recipe: build the builtin corpus (offline), train a tokenizer, pretrain a small GPT, evaluate it (val bpb),
+# sample from it, then mid-train and SFT it into a tiny chat model, evaluate that on the built-in tasks and ask it a
+# question. About 20 minutes on 2 cores. Outputs go to $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
 #   bash runs/cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,4 +22,16 @@ python scripts/base_train.py --run_name=$RUN --depth=4 --max_seq_len=256 --devic
 
 # 4. sample from the trained model
 python scripts/sample.py --run_name=$RUN --prompt="The return value of the function is" --max_tokens=48
+# 5. mid-training: the chat format on the built-in tasks (all tokens trained), one epoch
+python scripts/mid_train.py --run_name=$RUN --base_run_name=$RUN --eval_every=50
+
+# 6. SFT: assistant tokens only, packed conversations, 32 per step, one epoch
+python scripts/chat_sft.py --run_name=$RUN --source_run_name=$RUN --eval_every=50 --max_tokens_per_device=512
+
+# 7. chat eval on the validation split of the built-in tasks: the base model (the baseline) and the SFT model
+python scripts/chat_eval.py --source=base --run_name=$RUN --max_problems=100
+python scripts/chat_eval.py --source=sft --run_name=$RUN --max_problems=100
+
+# 8. a one-shot chat answer
+python scripts/chat_cli.py --source=sft --run_name=$RUN --temperature=0 -p "What is your name?"
 echo "CPU recipe done in $((SECONDS / 60)) min $((SECONDS % 60)) s; outputs in $NANOTRAIN_BASE_DIR/base/$RUN"

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from nanotrain.auto_batch_size import discover_device_batch_size
 from nanotrain.checkpoint import find_run_dir, get_run_dir, load_latest, rng_state, save_checkpoint, set_rng_state
 from nanotrain.common import (
     UserError,
@@ -63,7 +64,12 @@ device_type = ""  # cuda | mps | cpu; "" autodetects
 seed = 42  # seed of the task generation and of the data order
 # batch
 examples_per_step = 32  # conversations per optimizer step, all ranks together
-max_tokens_per_device = 2048  # token budget of one micro-batch on one rank (packed: its row length at most)
+max_tokens_per_device = None  # token budget of one micro-batch on one rank (packed: its row length at most); None: 2048 or discovered
+auto_batch_size = False  # discover the largest max_tokens_per_device (a multiple of max_seq_len) that fits
+batch_size_margin = 0.85  # fraction of device memory the training step may use (bytes, not batch units)
+batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
+device_memory_gb = None  # device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
+max_batch_size = None  # upper bound for the discovered rows of max_seq_len tokens per micro-batch (None: 64)
 device_batch_size = 32  # at most this many conversations per micro-batch per rank
 packing = True  # padding-free packed rows; False: one padded row per conversation
 max_seq_len = -1  # longest conversation in tokens; -1: the source checkpoint's max_seq_len
@@ -87,7 +93,8 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
 compile = False  # torch.compile the model (packed rows vary in length, so it recompiles often: off by default)
-config = configure(globals())
+config = configure(globals(), none_types={"max_tokens_per_device": (int,), "device_memory_gb": (float,),
+                                          "max_batch_size": (int,)})
 # -----------------------------------------------------------------------------
 
 RESUME_KEYS = ("tasks", "jsonl", "skip_bad_rows", "seed", "examples_per_step", "max_seq_len", "long_conversations")
@@ -124,6 +131,38 @@ def render_all(tokenizer, convs, max_len):
     return out, counts["truncated"], counts["dropped"]
 
 
+class PackedRows(torch.nn.Module):
+    """
+    The memory shape chat_sft trains for the batch-size probes: B rows of T tokens run as one packed row of B*T
+    tokens with B segments (block-diagonal attention), or as B padded rows with packing=False.
+    """
+
+    def __init__(self, model, packing):
+        super().__init__()
+        self.model, self.packing = model, packing
+
+    def forward(self, x, y):
+        if not self.packing:
+            return self.model(x, y)
+        B, T = x.shape
+        doc_ids = torch.arange(B, device=x.device).repeat_interleave(T).view(1, B * T)
+        return self.model(x.reshape(1, B * T), y.reshape(1, B * T), doc_ids=doc_ids)
+
+
+def sft_builder(model_config, packing, **optimizer_kwargs):
+    """build_model(device) -> (PackedRows(GPT), [adamw, muon]) for nanotrain.auto_batch_size (see gpt_builder)."""
+    from nanotrain.gpt import GPT
+
+    def build_model(device):
+        with torch.device(device):
+            model = GPT(model_config)
+        model.init_weights()
+        return PackedRows(model, packing), model.setup_optimizers(**optimizer_kwargs)
+    build_model.key_fields = {"gpt_config": dict(vars(model_config)), "packing": packing,
+                              "optimizer_kwargs": dict(optimizer_kwargs)}
+    return build_model
+
+
 def main():
     from nanotrain.engine import Engine
     from nanotrain.gpt import GPT, GPTConfig
@@ -146,7 +185,12 @@ def main():
     tokenizer = get_tokenizer()
     if long_conversations not in LONG_POLICIES:
         raise UserError(f"--long_conversations={long_conversations!r}: expected one of {', '.join(LONG_POLICIES)}")
-    if min(examples_per_step, max_tokens_per_device, device_batch_size) < 1:
+    global max_tokens_per_device
+    if max_tokens_per_device is not None and auto_batch_size:
+        print0(f"--max_tokens_per_device={max_tokens_per_device} given: skipping the automatic discovery")
+    if max_tokens_per_device is None and not auto_batch_size:
+        max_tokens_per_device = 2048
+    if min(examples_per_step, max_tokens_per_device or 1, device_batch_size) < 1:
         raise UserError(f"--examples_per_step={examples_per_step}, --max_tokens_per_device={max_tokens_per_device} "
                         f"and --device_batch_size={device_batch_size} must be >= 1")
 
@@ -180,6 +224,24 @@ def main():
         raise UserError(f"the checkpoint {start['path']} has vocab_size {start['meta']['model_config']['vocab_size']}"
                         f" but the tokenizer has {tokenizer.get_vocab_size()}; was the tokenizer retrained?")
 
+    # automatic batch size: the largest micro-batch of B rows of T tokens (one packed row of B*T tokens, or B padded
+    # rows) whose training step fits; then max_tokens_per_device = B*T. Probed before the model is built.
+    model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=T))
+    ab_record = None
+    if max_tokens_per_device is None:
+        build = sft_builder(model_config, packing, matrix_lr=matrix_lr * init_lr_frac,
+                            embedding_lr=embedding_lr * init_lr_frac, unembedding_lr=unembedding_lr * init_lr_frac,
+                            weight_decay=weight_decay)
+        rows, ab_record = discover_device_batch_size(
+            build, max_seq_len=T, vocab_size=model_config.vocab_size, total_batch_size=T * world_size * 64,
+            world_size=world_size, device=device, amp_dtype=torch.bfloat16 if amp == "bfloat16" else None,
+            compile=use_compile, margin=batch_size_margin, device_memory_gb=device_memory_gb,
+            max_batch_size=max_batch_size, use_cache=batch_size_cache, key_fields={"stage": "sft"})
+        max_tokens_per_device = rows * T
+        print0(f"max_tokens_per_device = {rows} x {T} = {max_tokens_per_device:,}")
+        if master:
+            atomic_write_json(os.path.join(run_dir, "auto_batch_size.json"), ab_record)
+
     # data: every rank renders all conversations (lpt_pack needs every length) and takes its share of each step
     t0 = time.time()
     spec = tasks + (f",jsonl:{jsonl}" if jsonl else "")
@@ -205,7 +267,6 @@ def main():
         return [micro_batch([examples[i] for i in mb[rank]], packing, pad_id, device) for mb in plan]
 
     # model
-    model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=T))
     seed_everything(seed)
     with torch.device("meta"):
         model = GPT(model_config)

@@ -58,3 +58,22 @@ def test_torchrun_ranks_agree(base_dir):
     b, accum, _, _, _ = found(r.stdout)
     assert b * accum * 64 * 2 == 4096
     assert "parameters identical on all 2 ranks" in r.stdout
+
+
+def test_mid_train_and_chat_sft_accept_the_flags(base_dir):
+    """mid_train discovers device_batch_size and chat_sft discovers max_tokens_per_device (rows of max_seq_len)."""
+    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=2", "--run_name=src", base_dir=base_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = run_script("mid_train.py", "--base_run_name=src", "--run_name=src", "--device_batch_size=-1",
+                   "--auto_batch_size=True", "--device_memory_gb=0.05", "--num_iterations=2", "--eval_every=-1",
+                   base_dir=base_dir)
+    assert m.returncode == 0, m.stderr[-3000:]
+    b, accum, _, _, _ = found(m.stdout)
+    assert b * accum * 64 == 512
+    s = run_script("chat_sft.py", "--source_run_name=src", "--run_name=src", "--auto_batch_size=True",
+                   "--device_memory_gb=0.05", "--num_iterations=2", "--eval_every=-1", "--examples_per_step=8",
+                   base_dir=base_dir)
+    assert s.returncode == 0, s.stderr[-3000:]
+    rows, _, _, _, _ = found(s.stdout)
+    assert f"max_tokens_per_device = {rows} x 64 = {rows * 64:,}" in s.stdout
+    assert os.path.exists(os.path.join(base_dir, "sft", "src", "auto_batch_size.json"))
