@@ -90,3 +90,96 @@ def test_epochs_wrap_around(tiny_tokenizer, files):
     fresh = TokenLoader(tiny_tokenizer, files, 4, 64, "cpu")
     fresh.load_state_dict({"epoch": 1, "doc_index": 0, "offset": 0})
     assert torch.equal(fresh.next_batch()[0], first)
+
+
+# ---------------------------------------------------------------------------- the prefetch thread
+
+def batches_and_states(loader, sizes):
+    """[(x, y, state_dict() after the batch)] for next_batch(size) over `sizes`; a StopIteration is recorded as None."""
+    out = []
+    for size in sizes:
+        try:
+            x, y = loader.next_batch(size)
+        except StopIteration:
+            out.append(None)
+            continue
+        out.append((x, y, loader.state_dict()))
+    return out
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) and g[2] == w[2]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetch_same_batches_and_states(tiny_tokenizer, files, depth):
+    """
+    With the background thread the batches and the state after each batch are exactly those of the synchronous
+    loader, including when the batch size changes between calls. Catches: state_dict() reporting the thread's
+    read-ahead position (a resume would skip the prefetched batches), a size change serving the stale prefetched
+    rows, or a rewind that loses/repeats tokens.
+    """
+    sizes = [3, 3, 3, 5, 5, 1, 3, 3, 7, 7, 7]
+    want = batches_and_states(TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", 1, 2, tokenizer_batch_docs=4,
+                                          prefetch=0), sizes)
+    loader = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", 1, 2, tokenizer_batch_docs=4, prefetch=depth)
+    got = batches_and_states(loader, sizes)
+    assert loader._thread is not None  # the thread did run
+    assert_same(got, want)
+    assert want[2][2]["offset"] > 0 or want[3][2]["offset"] > 0  # mid-document positions are among the checked ones
+
+
+def test_prefetch_state_resumes_exactly(tiny_tokenizer, files):
+    """
+    A state taken from a prefetching loader (whose thread has already produced the next batch) resumes at the next
+    batch the caller had not received. Catches: recording the producer's position instead of the caller's.
+    """
+    a = TokenLoader(tiny_tokenizer, files, 4, 32, "cpu", prefetch=2)
+    assert TokenLoader(tiny_tokenizer, files, 4, 32, "cpu").prefetch == 0  # the default on CPU (see the module doc)
+    for _ in range(5):
+        a.next_batch()
+    state = a.state_dict()
+    nxt = a.next_batch()
+    b = TokenLoader(tiny_tokenizer, files, 4, 32, "cpu", prefetch=0)
+    b.load_state_dict(state)
+    assert all(torch.equal(u, v) for u, v in zip(b.next_batch(), nxt))
+    a.load_state_dict(state)  # also while its thread runs: the queued batches are dropped
+    assert all(torch.equal(u, v) for u, v in zip(a.next_batch(), nxt))
+
+
+def test_prefetch_end_of_data_and_epochs(tiny_tokenizer, files):
+    """
+    A non-looping prefetching loader yields the same batches, then StopIteration at the same call, with the same
+    final state; a looping one crosses the epoch boundary with the same states. Catches: the thread swallowing
+    StopIteration (a hang), or dropping the last full batch.
+    """
+    n = len(list(TokenLoader(tiny_tokenizer, files, 4, 64, "cpu", loop=False, prefetch=0)))
+    sizes = [4] * (n + 2)
+    for loop in (False, True):
+        want = batches_and_states(TokenLoader(tiny_tokenizer, files, 4, 64, "cpu", loop=loop, prefetch=0), sizes)
+        got = batches_and_states(TokenLoader(tiny_tokenizer, files, 4, 64, "cpu", loop=loop, prefetch=1), sizes)
+        assert_same(got, want)
+        assert (want[-1] is None) == (not loop)
+    assert want[-1][2]["epoch"] == 1
+
+
+def test_abandoned_loader_thread_exits(tiny_tokenizer, files):
+    """
+    A loader that is dropped (base_train makes a new validation loader per evaluation) is garbage collected and its
+    thread ends. Catches: the thread holding a strong reference to the loader (one leaked thread per evaluation).
+    """
+    import gc
+
+    loader = TokenLoader(tiny_tokenizer, files, 2, 16, "cpu", prefetch=1)
+    loader.next_batch()
+    loader.next_batch()
+    thread = loader._thread
+    assert thread is not None and thread.is_alive()
+    del loader
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()

@@ -1,0 +1,351 @@
+"""
+The report card of a run: <base_dir>/report/<run_name>/report.md with one section per stage (base, mid, sft, eval),
+each with the system, the config, the wall time, the auto-batch-size record, tokens/s and MFU, the losses, the chat
+eval table and PNG plots (matplotlib, Agg) of the losses and of tokens/s over steps. After nanochat v0's report card
+(karpathy/nanochat `nanochat/report.py`); our format and code.
+
+Each stage's section is kept as <stage>.md (and its numbers as <stage>.json) in the report directory; report.md is
+rebuilt from them in stage order after every write, so writing a stage again replaces its section. Every file is
+written atomically.
+
+    python -m nanotrain.report <run_name>      # (re)writes every stage's section it finds, prints the report path
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from nanotrain.common import UserError, atomic_write_json, atomic_write_text, get_base_dir, git_commit, is_master
+
+STAGES = ("base", "mid", "sft", "eval")
+TITLES = {"base": "Base training", "mid": "Midtraining", "sft": "Chat SFT", "eval": "Chat eval"}
+SUBSECTIONS = ("System", "Config", "Auto batch size", "Speed", "Loss", "Chat eval", "Plots")
+
+
+def report_dir(run_name):
+    """<base_dir>/report/<run_name>/ (created). Raises UserError for an empty name or one with a path separator."""
+    if not run_name or os.sep in run_name or run_name in (".", ".."):
+        raise UserError(f"report: run name {run_name!r}: expected a plain, non-empty name")
+    d = os.path.join(get_base_dir(), "report", run_name)
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+# ----------------------------------------------------------------------------- reading a run directory
+
+def _read_json(path):
+    """The JSON object in `path`, or None if the file is absent. Raises UserError naming the file if it is corrupt."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e})") from None
+
+
+def read_metrics(run_dir):
+    """
+    The rows of <run_dir>/metrics.jsonl split into (train rows, val rows): train rows have "loss" and "dt" (seconds),
+    val rows "val_bpb" or "val_loss". Missing file -> ([], []). A torn last line (a run killed mid-write) is skipped;
+    a corrupt line elsewhere raises UserError naming file:line.
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return [], []
+    with open(path) as f:
+        lines = f.read().splitlines()
+    train, val = [], []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue
+            raise UserError(f"{path}:{i + 1}: not a JSON object") from None
+        if "loss" in row and "dt" in row:
+            train.append(row)
+        if "val_bpb" in row or "val_loss" in row:
+            val.append(row)
+    return train, val
+
+
+def system_info():
+    """{"device", "cores", "torch", "python", "git_commit"} of this machine (the GPU name when CUDA is available)."""
+    if torch.cuda.is_available():
+        device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        device = "CPU"
+        try:
+            with open("/proc/cpuinfo") as f:
+                names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+            device = names[0] if names else platform.processor() or "CPU"
+        except OSError:
+            device = platform.processor() or "CPU"
+    return {"device": device, "cores": os.cpu_count(), "torch": torch.__version__,
+            "python": platform.python_version(), "git_commit": git_commit()}
+
+
+def summarize(run_dir, stage, extra=None):
+    """
+    The numbers of one stage's run directory as a JSON-able dict: config, auto_batch_size (record or None),
+    chat_eval (or None), steps, train_time_s (sum of the steps' dt), median tokens/s and MFU (the first step, which
+    holds compilation and warm-up, is left out when there are others), first/last train loss, the validation metric
+    name ("val_bpb" or "val_loss") with its first/last values, and `extra` (e.g. {"wall_time_s": ...}).
+    Stage "eval" reads only chat_eval.json (its config is chat_eval's settings).
+    """
+    if stage == "eval":
+        chat = _read_json(os.path.join(run_dir, "chat_eval.json"))
+        if chat is None:
+            raise UserError(f"report: {run_dir}/chat_eval.json not found (run scripts/chat_eval.py first)")
+        return {"config": chat.get("config", {}), "auto_batch_size": None, "chat_eval": chat, "steps": 0,
+                "train_time_s": 0.0, "tokens_per_sec": None, "mfu": None, "first_loss": None, "last_loss": None,
+                "val_key": None, "val_first": None, "val_last": None, "extra": dict(extra or {})}
+    train, val = read_metrics(run_dir)
+    steady = train[1:] if len(train) > 1 else train
+    val_key = "val_bpb" if any("val_bpb" in r for r in val) else "val_loss" if val else None
+    vals = [r for r in val if val_key in r]
+    med = (lambda key: statistics.median(r[key] for r in steady if key in r) if any(key in r for r in steady)
+           else None)
+    return {
+        "config": _read_json(os.path.join(run_dir, "config.json")) or {},
+        "auto_batch_size": _read_json(os.path.join(run_dir, "auto_batch_size.json")),
+        "chat_eval": _read_json(os.path.join(run_dir, "chat_eval.json")),
+        "steps": train[-1]["step"] if train else 0,
+        "train_time_s": sum(r["dt"] for r in train),
+        "tokens_per_sec": med("tok_per_sec"), "mfu": med("mfu"),
+        "first_loss": train[0]["loss"] if train else None, "last_loss": train[-1]["loss"] if train else None,
+        "val_key": val_key,
+        "val_first": [vals[0]["step"], vals[0][val_key]] if vals else None,
+        "val_last": [vals[-1]["step"], vals[-1][val_key]] if vals else None,
+        "extra": dict(extra or {}),
+    }
+
+
+# ----------------------------------------------------------------------------- plots
+
+def _save_png(fig, path):
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
+
+
+def write_plots(run_dir, out_dir, stage):
+    """
+    Writes <out_dir>/<stage>_loss.png (train loss and the validation metric against the step) and
+    <out_dir>/<stage>_tokens_per_sec.png (tokens/s against the step) from <run_dir>/metrics.jsonl, each only when
+    there is something to plot. Returns the list of file names written.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, val = read_metrics(run_dir)
+    written = []
+    if train or val:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        if train:
+            axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+        axes[0].set(xlabel="step", ylabel="train loss (nats/token)", title=f"{stage}: train loss")
+        key = "val_bpb" if any("val_bpb" in r for r in val) else "val_loss"
+        rows = [r for r in val if key in r]
+        if rows:
+            axes[1].plot([r["step"] for r in rows], [r[key] for r in rows], "o-", color="tab:orange")
+        axes[1].set(xlabel="step", ylabel=key.replace("_", " "), title=f"{stage}: {key.replace('_', ' ')}")
+        fig.tight_layout()
+        _save_png(fig, os.path.join(out_dir, f"{stage}_loss.png"))
+        plt.close(fig)
+        written.append(f"{stage}_loss.png")
+    rows = [r for r in train if "tok_per_sec" in r]
+    if rows:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        ax.plot([r["step"] for r in rows], [r["tok_per_sec"] for r in rows], lw=1)
+        ax.set(xlabel="step", ylabel="tokens/s", title=f"{stage}: training throughput")
+        ax.set_ylim(bottom=0)
+        fig.tight_layout()
+        _save_png(fig, os.path.join(out_dir, f"{stage}_tokens_per_sec.png"))
+        plt.close(fig)
+        written.append(f"{stage}_tokens_per_sec.png")
+    return written
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def _fmt(v):
+    """A value for a markdown table cell: floats to 4 significant digits, None and "" spelled out, | escaped."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if v is None or v == "":
+        return repr(v)
+    return str(v).replace("|", "\\|")
+
+
+def config_table(config, columns=3):
+    """A markdown table of the settings, `columns` setting/value pairs per row, keys sorted."""
+    items = sorted(config.items())
+    if not items:
+        return "(no config.json)"
+    head = "| " + " | ".join(["setting | value"] * columns) + " |"
+    sep = "|" + "---|" * (2 * columns)
+    rows = []
+    for i in range(0, len(items), columns):
+        cells = [f"`{k}` | {_fmt(v)}" for k, v in items[i:i + columns]]
+        cells += [" | "] * (columns - len(cells))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *rows])
+
+
+def chat_eval_table(chat_eval):
+    """The markdown table of a chat_eval.json (scripts/chat_eval.py): task, correct, total, accuracy."""
+    if not chat_eval:
+        return "(no chat_eval.json)"
+    lines = [f"{chat_eval.get('source', '?')} checkpoint step {chat_eval.get('step', '?')}", "",
+             "| task | correct | total | accuracy |", "|---|---:|---:|---:|"]
+    for name, r in chat_eval.get("results", {}).items():
+        lines.append(f"| {name} | {r['correct']} | {r['total']} | {100 * r['accuracy']:.2f}% |")
+    return "\n".join(lines)
+
+
+def auto_batch_text(record):
+    """One paragraph summarising an auto_batch_size.json record (found size, probes, cache hit, budget)."""
+    if not record:
+        return "not used (device_batch_size set by hand or the fixed default)"
+    gib = 1024 ** 3
+    probes = ", ".join(f"{p['batch_size']}: {p['result']}" for p in record.get("probes", []))
+    budget = record.get("budget_bytes")
+    text = (f"device_batch_size **{record.get('device_batch_size')}** (grad_accum_steps "
+            f"{record.get('grad_accum_steps')}) | cache {'hit' if record.get('cache_hit') else 'miss'} | budget "
+            f"{budget / gib:.2f} GiB x margin {record.get('margin')} | measurement: {record.get('measurement')} | "
+            f"{len(record.get('probes', []))} probes ({probes})" if budget else f"record: {record}")
+    if record.get("step_downs"):
+        text += f" | OOM step-downs [step, from, to]: {record['step_downs']}"
+    return text
+
+
+def render_section(stage, summary, system, plots):
+    """The markdown of one stage's section (## heading and the SUBSECTIONS as ### headings)."""
+    s = summary
+    wall = s["extra"].get("wall_time_s")
+    if stage == "eval":
+        speed = [f"- wall time: {wall / 60:.2f} min" if wall is not None else "(an evaluation: no training steps)"]
+    else:
+        speed = [f"- steps: {s['steps']}, training time (sum of step times): {s['train_time_s'] / 60:.2f} min"
+                 + (f", wall time of the stage: {wall / 60:.2f} min" if wall is not None else "")]
+    if s["tokens_per_sec"] is not None:
+        mfu = f", MFU {100 * s['mfu']:.1f}%" if s["mfu"] is not None else ""
+        speed.append(f"- median tokens/s {s['tokens_per_sec']:,.0f}{mfu} (first step left out)")
+    loss = []
+    if s["first_loss"] is not None:
+        loss.append(f"- train loss: first {s['first_loss']:.4f}, last {s['last_loss']:.4f}")
+    if s["val_key"]:
+        (a_step, a), (b_step, b) = s["val_first"], s["val_last"]
+        loss.append(f"- {s['val_key'].replace('_', ' ')}: {a:.4f} at step {a_step}, {b:.4f} at step {b_step}")
+    for k, v in s["extra"].items():
+        if k != "wall_time_s":
+            loss.append(f"- {k}: {_fmt(v)}")
+    parts = [
+        f"## {stage}: {TITLES[stage]}",
+        "### System",
+        f"{system['device']} ({system['cores']} cores) | torch {system['torch']} | python {system['python']} | "
+        f"git {system['git_commit']}",
+        "### Config", config_table(s["config"]),
+        "### Auto batch size", auto_batch_text(s["auto_batch_size"]) if stage != "eval" else "(n/a)",
+        "### Speed", "\n".join(speed),
+        "### Loss", "\n".join(loss) or "(no metrics)",
+        "### Chat eval", chat_eval_table(s["chat_eval"]),
+        "### Plots", "\n".join(f"![{p}]({p})" for p in plots) or "(no metrics to plot)",
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def _assemble(run_name, out_dir):
+    """Rebuilds report.md from the stage sections present, with a summary table first. Returns its path."""
+    rows, sections, total = [], [], 0.0
+    for stage in STAGES:
+        md, js = os.path.join(out_dir, f"{stage}.md"), os.path.join(out_dir, f"{stage}.json")
+        if not os.path.exists(md):
+            continue
+        with open(md) as f:
+            sections.append(f.read())
+        s = _read_json(js) or {}
+        wall = (s.get("extra") or {}).get("wall_time_s", s.get("train_time_s"))
+        total += wall or 0.0
+        val = f"{s['val_key']} {s['val_last'][1]:.4f}" if s.get("val_last") else ""
+        chat = s.get("chat_eval") or {}
+        acc = ", ".join(f"{k} {100 * r['accuracy']:.1f}%" for k, r in chat.get("results", {}).items())
+        tps = f"{s['tokens_per_sec']:,.0f}" if s.get("tokens_per_sec") else ""
+        mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
+        rows.append(f"| {stage} | {(wall or 0) / 60:.2f} | {tps} | {mfu} | {val} | {acc} |")
+    head = [f"# nanotrain report card: {run_name}", "",
+            f"Updated {time.strftime('%Y-%m-%d %H:%M:%S')}. Total time of the stages: {total / 60:.2f} min.", "",
+            "| stage | minutes | tokens/s | MFU | validation | chat eval |", "|---|---:|---:|---:|---|---|", *rows, ""]
+    path = os.path.join(out_dir, "report.md")
+    atomic_write_text(path, "\n".join(head) + "\n" + "\n".join(sections))
+    return path
+
+
+def write_section(run_name, stage, run_dir, extra=None):
+    """
+    Writes (or replaces) `stage`'s section of <base_dir>/report/<run_name>/report.md from the stage's run directory
+    (config.json, metrics.jsonl, auto_batch_size.json and chat_eval.json when present), with the plots
+    <stage>_loss.png and <stage>_tokens_per_sec.png. extra: optional dict shown in the section; "wall_time_s"
+    (seconds) is the stage's wall time. Only rank 0 writes: returns the report path, or None on other ranks.
+    Raises UserError for an unknown stage, a missing run_dir or a corrupt JSON file.
+    """
+    if stage not in STAGES:
+        raise UserError(f"report: stage {stage!r}: expected one of {', '.join(STAGES)}")
+    if not os.path.isdir(run_dir):
+        raise UserError(f"report: run directory {run_dir} does not exist")
+    if not is_master():
+        return None
+    out_dir = report_dir(run_name)
+    summary = summarize(run_dir, stage, extra)
+    plots = write_plots(run_dir, out_dir, stage) if stage != "eval" else []
+    atomic_write_json(os.path.join(out_dir, f"{stage}.json"), summary)
+    atomic_write_text(os.path.join(out_dir, f"{stage}.md"), render_section(stage, summary, system_info(), plots))
+    return _assemble(run_name, out_dir)
+
+
+def find_stage_dirs(run_name):
+    """{stage: run_dir} of the stages of `run_name` present under the base dir; "eval" is the newest of those run
+    directories that holds a chat_eval.json."""
+    base = get_base_dir()
+    found = {}
+    for stage in ("base", "mid", "sft"):
+        d = os.path.join(base, stage, run_name)
+        if os.path.isfile(os.path.join(d, "config.json")) or os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            found[stage] = d
+    evals = [d for d in found.values() if os.path.isfile(os.path.join(d, "chat_eval.json"))]
+    if evals:
+        found["eval"] = max(evals, key=lambda d: os.path.getmtime(os.path.join(d, "chat_eval.json")))
+    return found
+
+
+def main(argv=None):
+    """`python -m nanotrain.report <run_name>`: rewrites every stage's section found; prints the report path."""
+    from nanotrain.common import die
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if len(argv) != 1 or argv[0].startswith("-"):
+            raise UserError("usage: python -m nanotrain.report <run_name>")
+        found = find_stage_dirs(argv[0])
+        if not found:
+            raise UserError(f"no run named {argv[0]!r} under {get_base_dir()}/{{base,mid,sft}}/")
+        path = None
+        for stage, run_dir in found.items():
+            path = write_section(argv[0], stage, run_dir)
+        print(path)
+    except UserError as e:
+        die(str(e))
+
+
+if __name__ == "__main__":
+    main()

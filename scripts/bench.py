@@ -1,0 +1,363 @@
+"""
+Training-speed benchmark: steady-state tokens/s, step time, MFU and peak memory of base_train's optimizer step, plus
+the token loader's and the tokenizer's throughput on the same data. Prints ONE JSON object on stdout.
+
+    python scripts/bench.py --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096
+    python scripts/bench.py --depth=8 --max_seq_len=512 --device_batch_size=4 --total_batch_size=8192
+    python scripts/bench.py --depth=4 --vs="--compile=True"          # A B B A A B ... interleaved; ratio per pair
+
+The model and optimizers are built as in scripts/base_train.py (meta device, to_empty, init_weights,
+setup_optimizers) and every timed step is base_train's: the loader's next_batch, nanotrain.training.forward_backward,
+the loss sync, optimizer_step. Needs a tokenizer (python scripts/tok_train.py) and the data (--data, builtin default).
+
+MFU = flops_per_token (GPT.estimate_flops) * tokens/s / peak. Peak on CUDA: the datasheet table
+nanotrain.common.GPU_PEAK_FLOPS (bf16 dense); on CPU: the (n=1024) matmul throughput in the run's dtype measured in
+this process before and after the timed steps, the larger of the two (a busy machine lowers it, which would inflate
+MFU). Peak memory on CUDA: torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training
+step (nanotrain.auto_batch_size.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's
+peak RSS (getrusage) over the run. Activation checkpointing is not offered: nanotrain.gpt has none.
+
+--vs="<overrides>" builds a second configuration B (A's settings with these --name=value overrides) in the same
+process and times them interleaved, `pairs` rounds of `pair_steps` steps each, A first in even rounds and B first in
+odd ones (drift cancels); "vs.ratios" is tokens/s of B / tokens/s of A per round and "vs.median_ratio" their median.
+"""
+
+import contextlib
+import functools
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+from nanotrain.common import UserError, compute_cleanup, compute_init, die, get_peak_flops, seed_everything, synchronize
+from nanotrain.configurator import ConfigError, apply_overrides, configure
+
+# ----------------------------------------------------------------------------- settings
+depth = 4  # n_layer; model_dim = depth * 64
+max_seq_len = 256  # tokens per row
+device_batch_size = 8  # rows per micro-batch
+total_batch_size = 4096  # tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len))
+dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
+compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
+device_type = ""  # cuda | mps | cpu; "" autodetects
+data = "builtin"  # training text, as in base_train
+warmup_steps = 3  # untimed optimizer steps first (compilation, allocator, lazy optimizer state)
+steps = 10  # timed optimizer steps (without --vs)
+threads = 0  # torch intra-op threads; 0 keeps torch's default
+prefetch = -1  # batches the loader's thread makes ahead; 0: off; -1: the loader's default (1 on CUDA, else 0)
+adamw = ""  # AdamW implementation: "" as setup_optimizers (fused on CUDA, foreach elsewhere) | foreach | fused | for
+ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (bf16 on CUDA, fp32 elsewhere) | float32 | bfloat16
+memory_estimate = True  # on CPU also run the MemTracker estimate of the step's peak memory (a few seconds)
+loader_seconds = 1.0  # how long to time the token loader alone
+tokenizer_chars = 1_000_000  # characters of documents for the tokenizer's encode throughput
+seed = 42  # model init seed
+vs = ""  # a second configuration as --name=value overrides of this one, timed interleaved with it
+pairs = 6  # --vs: interleaved rounds
+pair_steps = 2  # --vs: timed steps per configuration per round
+config = configure(globals())
+# -----------------------------------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def percentile(xs, q):
+    """The q-th percentile (0..100) of the numbers xs, linear interpolation between order statistics."""
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def time_stats(times):
+    """Summary of step times in seconds: median, min, max, p10, p90, n."""
+    return {"median": statistics.median(times), "min": min(times), "max": max(times),
+            "p10": percentile(times, 10), "p90": percentile(times, 90), "n": len(times)}
+
+
+def cpu_name():
+    """The CPU model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def peak_rss_bytes():
+    """This process's peak resident set size so far, in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def check_config(cfg):
+    """Raises UserError for settings the benchmark cannot run."""
+    for key in ("depth", "max_seq_len", "device_batch_size", "total_batch_size", "steps", "pairs", "pair_steps"):
+        if cfg[key] < 1:
+            raise UserError(f"--{key}={cfg[key]}: expected an integer >= 1")
+    if cfg["warmup_steps"] < 0 or cfg["prefetch"] < -1 or cfg["threads"] < 0:
+        raise UserError("--warmup_steps and --threads must be >= 0, --prefetch >= -1")
+    per = cfg["device_batch_size"] * cfg["max_seq_len"]
+    if cfg["total_batch_size"] % per != 0:
+        raise UserError(f"--total_batch_size={cfg['total_batch_size']} is not a multiple of device_batch_size * "
+                        f"max_seq_len = {per}")
+    if cfg["adamw"] not in ("", "foreach", "fused", "for"):
+        raise UserError(f"--adamw={cfg['adamw']!r}: expected '', 'foreach', 'fused' or 'for'")
+    if cfg["ns_dtype"] not in ("", "float32", "bfloat16"):
+        raise UserError(f"--ns_dtype={cfg['ns_dtype']!r}: expected '', 'float32' or 'bfloat16'")
+
+
+def rebuild_adamw(opt, kind):
+    """A fresh torch AdamW over opt's parameter groups (lr, initial_lr kept) with the implementation `kind`."""
+    groups = [dict(params=g["params"], lr=g["lr"], initial_lr=g["initial_lr"]) for g in opt.param_groups]
+    d = opt.defaults
+    return torch.optim.AdamW(groups, betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+                             fused=kind == "fused", foreach=kind == "foreach")
+
+
+class Setup:
+    """
+    One configuration ready to step: base_train's model, optimizers and TokenLoader. step() runs one timed optimizer
+    step and returns its wall time in seconds; activate() applies the process-wide knobs (threads, Newton-Schulz
+    dtype) before this configuration's steps.
+    """
+
+    def __init__(self, cfg, tokenizer, train_files, device):
+        import nanotrain.muon
+        from nanotrain.dataloader import TokenLoader
+        from nanotrain.gpt import GPT, config_from_depth
+        from nanotrain.training import precision
+
+        self.cfg, self.device = cfg, device
+        self.amp, self.autocast_ctx = precision(cfg["dtype"], device)
+        self.model_config = config_from_depth(cfg["depth"], tokenizer.get_vocab_size(), cfg["max_seq_len"])
+        self.grad_accum_steps = cfg["total_batch_size"] // (cfg["device_batch_size"] * cfg["max_seq_len"])
+        self.default_threads = torch.get_num_threads()
+        self.ns_default = nanotrain.muon.zeropower_via_newtonschulz5
+        self.activate()
+        seed_everything(cfg["seed"])
+        with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
+            with torch.device("meta"):
+                model = GPT(self.model_config)
+            model.to_empty(device=device)
+            model.init_weights()
+            self.optimizers = model.setup_optimizers()
+        if cfg["adamw"]:
+            self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
+        self.orig_model = model
+        self.model = torch.compile(model, dynamic=False) if cfg["compile"] else model
+        self.num_params, self.flops_per_token = model.num_params(), model.estimate_flops()
+        self.loader = TokenLoader(tokenizer, train_files, cfg["device_batch_size"], cfg["max_seq_len"], device,
+                                  prefetch=None if cfg["prefetch"] < 0 else cfg["prefetch"])
+        self.tokenizer, self.train_files = tokenizer, train_files
+        self.step_count = 0
+
+    def activate(self):
+        import nanotrain.muon
+        torch.set_num_threads(self.cfg["threads"] or self.default_threads)
+        ns = self.cfg["ns_dtype"]
+        nanotrain.muon.zeropower_via_newtonschulz5 = (
+            functools.partial(self.ns_default, dtype=DTYPES[ns]) if ns else self.ns_default)
+
+    def step(self):
+        """One optimizer step exactly as base_train's loop runs it (loader, micro-steps, loss sync, update)."""
+        from nanotrain.training import forward_backward, global_mean_and_flag, muon_momentum, optimizer_step
+
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        x, y = self.loader.next_batch(self.cfg["device_batch_size"] * self.grad_accum_steps)
+        loss = forward_backward(self.model, x, y, self.cfg["device_batch_size"], self.autocast_ctx)
+        global_mean_and_flag(loss, False, self.device)  # the per-step .item() base_train does
+        optimizer_step(self.orig_model, self.optimizers, 1.0, muon_momentum(self.step_count), 1.0)
+        synchronize(self.device)
+        self.step_count += 1
+        return time.perf_counter() - t0
+
+    def loader_tokens_per_sec(self, seconds):
+        """Input tokens/s of a fresh TokenLoader alone (same rows per step, same prefetch), after one warm batch."""
+        from nanotrain.dataloader import TokenLoader
+
+        rows = self.cfg["device_batch_size"] * self.grad_accum_steps
+        loader = TokenLoader(self.tokenizer, self.train_files, rows, self.cfg["max_seq_len"], self.device,
+                             prefetch=self.loader.prefetch)
+        loader.next_batch()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            loader.next_batch()
+            n += 1
+        dt = time.perf_counter() - t0
+        loader.close()
+        return n * rows * self.cfg["max_seq_len"] / dt
+
+    def memory_estimate(self):
+        """(peak bytes, how it was measured): CUDA max_memory_allocated, or the MemTracker estimate on CPU/MPS."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
+        if not self.cfg["memory_estimate"]:
+            return None, "not measured (--memory_estimate=False)"
+        from nanotrain.auto_batch_size import gpt_builder, measure_fake_peak
+
+        build = gpt_builder(self.model_config)
+        state = torch.get_rng_state()
+        peak = measure_fake_peak(build, self.cfg["device_batch_size"], max_seq_len=self.cfg["max_seq_len"],
+                                 vocab_size=self.model_config.vocab_size, device=self.device,
+                                 amp_dtype=torch.bfloat16 if self.amp == "bfloat16" else None)
+        torch.set_rng_state(state)
+        return peak, "MemTracker estimate of the eager training step (auto_batch_size.measure_fake_peak)"
+
+
+def tokenizer_throughput(tokenizer, train_files, num_threads=4, max_chars=1_000_000, repeats=3):
+    """
+    Encode throughput of tokenizer.encode(list of documents, num_threads) on the first documents of the data
+    (up to max_chars characters), best of `repeats`: {"chars_per_sec", "tokens_per_sec", "docs", "chars", ...}.
+    """
+    from nanotrain.dataset import iter_documents
+
+    docs, chars = [], 0
+    for _, text in iter_documents(train_files):
+        docs.append(text)
+        chars += len(text)
+        if chars >= max_chars:
+            break
+    best, n_tokens = float("inf"), 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ids = tokenizer.encode(docs, num_threads=num_threads)
+        best = min(best, time.perf_counter() - t0)
+        n_tokens = sum(len(x) for x in ids)
+    return {"chars_per_sec": chars / best, "tokens_per_sec": n_tokens / best, "docs": len(docs), "chars": chars,
+            "tokens": n_tokens, "num_threads": num_threads}
+
+
+def measure_peaks(device, amps, peaks):
+    """Appends one get_peak_flops(device, dtype) measurement per precision name in `amps` to peaks[amp] (a list of
+    (FLOP/s, source)). On CUDA the datasheet figure, measured once."""
+    for amp in dict.fromkeys(amps):
+        if device.type != "cuda" or not peaks.get(amp):
+            peaks.setdefault(amp, []).append(get_peak_flops(device, DTYPES[amp]))
+
+
+def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta):
+    """The result object of one configuration (see the module docstring)."""
+    st = time_stats(times)
+    tokens_per_sec = s.cfg["total_batch_size"] / st["median"]
+    achieved = s.flops_per_token * tokens_per_sec
+    mem, mem_source = s.memory_estimate()
+    loader_tps = s.loader_tokens_per_sec(s.cfg["loader_seconds"])
+    c = s.model_config
+    return {
+        "config": dict({k: s.cfg[k] for k in ("depth", "max_seq_len", "device_batch_size", "total_batch_size",
+                                              "dtype", "compile", "threads", "adamw", "ns_dtype", "data")},
+                       prefetch=s.loader.prefetch),
+        "dtype": s.amp, "grad_accum_steps": s.grad_accum_steps,
+        "model": {"n_layer": c.n_layer, "model_dim": c.model_dim, "n_head": c.n_head, "vocab_size": c.vocab_size,
+                  "num_params": s.num_params},
+        "tokens_per_step": s.cfg["total_batch_size"],
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_p10_p90": [s.cfg["total_batch_size"] / st["p90"], s.cfg["total_batch_size"] / st["p10"]],
+        "step_time_s": st,
+        "warmup_step_times_s": warmup_times,
+        "compile_s": (warmup_times[0] - st["median"]) if s.cfg["compile"] and warmup_times else None,
+        "flops_per_token": s.flops_per_token,
+        "achieved_flops": achieved,
+        "peak_flops": peak, "peak_flops_source": peak_source, "peak_flops_samples": peak_samples,
+        "mfu": achieved / peak,
+        "peak_memory_bytes": mem, "peak_memory_source": mem_source,
+        "rss_peak_delta_bytes": rss_delta,
+        "loader_tokens_per_sec": loader_tps,
+        "loader_vs_trainer": loader_tps / tokens_per_sec,
+        "threads": s.cfg["threads"] or s.default_threads,
+    }
+
+
+def main():
+    from nanotrain.dataset import resolve_data_files
+    from nanotrain.tokenizer import get_tokenizer
+
+    is_ddp, _, _, _, device = compute_init(device_type)
+    if is_ddp:
+        raise UserError("scripts/bench.py runs as one process; start it with python, not torchrun")
+    cfg_a = dict(config)
+    check_config(cfg_a)
+    cfg_b = None
+    if vs:
+        args = shlex.split(vs)
+        try:
+            cfg_b = apply_overrides(cfg_a, args)
+        except ConfigError as e:
+            raise UserError(f"--vs={vs!r}: {e}") from None
+        if any(a.split("=", 1)[0] in ("--vs", "--device_type", "--data") for a in args):
+            raise UserError(f"--vs={vs!r}: may not change vs, device_type or data")
+        check_config(cfg_b)
+    load_start = os.getloadavg()
+    tokenizer = get_tokenizer()  # UserError naming tok_train.py when missing
+    train_files = resolve_data_files(data, "train")
+    rss0 = peak_rss_bytes()
+    setups = [Setup(cfg_a, tokenizer, train_files, device)]
+    if cfg_b is not None:
+        setups.append(Setup(cfg_b, tokenizer, train_files, device))
+    peaks = {}
+    measure_peaks(device, [st.amp for st in setups], peaks)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    warm = []
+    for st in setups:
+        st.activate()
+        warm.append([st.step() for _ in range(st.cfg["warmup_steps"])])
+    times, ratios = [[] for _ in setups], []
+    if cfg_b is None:
+        times[0] = [setups[0].step() for _ in range(steps)]
+    else:
+        for r in range(pairs):
+            round_tps = {}
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+                setups[i].activate()
+                t = [setups[i].step() for _ in range(setups[i].cfg["pair_steps"])]
+                times[i] += t
+                round_tps[i] = setups[i].cfg["total_batch_size"] / statistics.median(t)
+            ratios.append(round_tps[1] / round_tps[0])
+    rss_delta = peak_rss_bytes() - rss0 if cfg_b is None and device.type == "cpu" else None
+    measure_peaks(device, [st.amp for st in setups], peaks)  # again after the steps (CPU): the max is used
+
+    results = []
+    for st, t, w in zip(setups, times, warm):
+        st.activate()
+        samples = [f for f, _ in peaks[st.amp]]
+        source = peaks[st.amp][0][1]
+        if device.type != "cuda":
+            source += f" (1024x1024), max of {len(samples)} measurements before/after the timed steps"
+        results.append(summarize(st, t, w, max(samples), source, samples, rss_delta))
+    system = {
+        "torch": torch.__version__, "python": platform.python_version(), "device": device.type,
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "load_avg_start": list(load_start), "load_avg_end": list(os.getloadavg()),
+    }
+    tok = tokenizer_throughput(tokenizer, train_files, setups[0].loader.num_threads, tokenizer_chars)
+    if cfg_b is None:
+        out = dict(results[0], tokenizer=tok, system=system)
+    else:
+        out = {"a": results[0], "b": results[1], "tokenizer": tok, "system": system,
+               "vs": {"overrides": vs, "ratios": ratios, "median_ratio": statistics.median(ratios),
+                      "metric": "tokens/s of b / tokens/s of a, per round", "pairs": pairs,
+                      "pair_steps": pair_steps, "order": "a b, b a, a b, ... (alternating)"}}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        die(str(e))
+    finally:
+        compute_cleanup()
+    sys.exit(0)

@@ -1,0 +1,85 @@
+"""
+GPT.estimate_flops() against an independent count of the FLOPs a forward + backward actually runs.
+
+What the formula counts, per token of a training step (forward + backward = 3x the forward):
+- 6 * N for the matmuls, N = every parameter except the token embedding (the blocks' c_q, c_k, c_v, c_proj, c_fc,
+  c_proj and the lm_head): 2 FLOPs per multiply-add in the forward, twice that in the backward (input and weight
+  gradients);
+- 12 * n_layer * n_head * head_dim * T for attention (T = max_seq_len): Q K^T and A V each cost 2 * T * head_dim per
+  token and head in the forward, counted over the full T x T (causal masking is not subtracted, as in PaLM appendix B
+  and nanochat), times 3 for the backward;
+- the embedding lookup is free (a gather, and its backward a scatter-add); norms, rotary, softmax, soft-cap and
+  the cross-entropy are elementwise and not counted.
+torch.utils.flop_counter.FlopCounterMode counts exactly the matmuls (mm/bmm) of the traced step. On CPU, SDPA's
+fused kernel has no FLOP formula, so attention runs on SDPA's math backend here, which performs it as bmm's.
+"""
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from nanotrain.gpt import GPT, GPTConfig, config_from_depth
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls run fastest on one thread (and OpenMP spinning on a busy 2-core machine costs 50x here)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+CONFIGS = {
+    "depth2": config_from_depth(2, 1024, 32),
+    "gqa": GPTConfig(max_seq_len=48, vocab_size=500, n_layer=3, n_head=4, n_kv_head=2, model_dim=64),
+}
+
+
+def counted_flops(model, batch_size):
+    """FLOPs of one forward + backward of the mean loss on random tokens, (batch_size, max_seq_len), by
+    FlopCounterMode with attention on SDPA's math backend."""
+    T, V = model.config.max_seq_len, model.config.vocab_size
+    x = torch.randint(0, V, (batch_size, T))
+    y = torch.randint(0, V, (batch_size, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x, y).backward()
+    return counter.get_total_flops(), counter.get_flop_counts()["Global"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_estimate_flops_matches_flop_counter(name):
+    """
+    estimate_flops() * tokens is within 5% of the counted FLOPs (it is exact for these models). Catches: counting the
+    embedding as a matmul (6 * all params: 12% to 25% more here), leaving out the lm_head, counting attention with
+    n_kv_head instead of n_head under GQA, dropping the attention term, or using 2N (forward only) instead of 6N.
+    """
+    torch.manual_seed(0)
+    model = GPT(CONFIGS[name])
+    model.init_weights()
+    batch_size = 3
+    counted, by_op = counted_flops(model, batch_size)
+    estimated = model.estimate_flops() * batch_size * model.config.max_seq_len
+    assert abs(estimated - counted) / counted < 0.05, (estimated, counted, by_op)
+    wrong = 6 * model.num_params() * batch_size * model.config.max_seq_len  # embedding counted: must be caught
+    assert abs(wrong - counted) / counted > 0.05
+
+
+def test_attention_term_grows_with_sequence_length():
+    """
+    The attention FLOPs per token grow linearly with T: the counted bmm FLOPs per token at 2T are twice those at T,
+    and equal 12 * n_layer * n_head * head_dim * T. Catches an attention term that ignores T or counts T^2 per token.
+    """
+    per_token = []
+    for T in (16, 32):
+        torch.manual_seed(0)
+        model = GPT(config_from_depth(2, 300, T))
+        model.init_weights()
+        _, by_op = counted_flops(model, 2)
+        bmm = sum(v for k, v in by_op.items() if "bmm" in str(k))
+        c = model.config
+        assert bmm / (2 * T) == 12 * c.n_layer * c.n_head * model.head_dim * T
+        per_token.append(bmm / (2 * T))
+    assert per_token[1] == 2 * per_token[0]

@@ -1,0 +1,110 @@
+"""The report card (nanotrain.report) on a real tiny base_train run directory."""
+
+import json
+import os
+import shutil
+
+import pytest
+from conftest import TINY_TRAIN, run_script
+
+from nanotrain.report import STAGES, SUBSECTIONS, main, read_metrics, report_dir, write_section
+
+pytestmark = pytest.mark.smoke
+PNG = b"\x89PNG\r\n\x1a\n"
+CHAT_EVAL = {"checkpoint": "x/checkpoints/step_000004", "step": 4, "source": "sft", "config": {"tasks": "arith"},
+             "results": {"arith": {"correct": 3, "total": 8, "accuracy": 0.375},
+                         "spell": {"correct": 0, "total": 8, "accuracy": 0.0}}}
+
+
+@pytest.fixture(scope="module")
+def base_run(shared_base_dir, tmp_path_factory):
+    """A 4-step tiny base_train run (run name r); returns its run directory (read-only for the tests)."""
+    base = tmp_path_factory.mktemp("report_run")
+    os.symlink(shared_base_dir / "data", base / "data")
+    os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
+    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=4", "--run_name=r", base_dir=base)
+    assert r.returncode == 0, r.stderr
+    return str(base / "base" / "r")
+
+
+def headings(text):
+    return [ln for ln in text.splitlines() if ln.startswith("## ") or ln.startswith("### ")]
+
+
+def test_section_has_every_heading_and_plots(base_run, base_dir):
+    """
+    A base section has every subsection, the numbers of the run, and valid non-empty PNGs that it links.
+    Catches: a plot written as an empty or non-PNG file, a missing subsection, numbers not read from metrics.jsonl.
+    """
+    path = write_section("r", "base", base_run)
+    assert path == os.path.join(report_dir("r"), "report.md")
+    text = open(path).read()
+    assert "## base: " in text
+    for sub in SUBSECTIONS:
+        assert f"### {sub}" in text
+    for name in ("base_loss.png", "base_tokens_per_sec.png"):
+        data = open(os.path.join(report_dir("r"), name), "rb").read()
+        assert len(data) > 1000 and data.startswith(PNG)
+        assert f"]({name})" in text
+    train, val = read_metrics(base_run)
+    assert len(train) == 4 and val and "val_bpb" in val[-1]
+    assert f"{train[-1]['loss']:.4f}" in text and f"{val[-1]['val_bpb']:.4f}" in text
+    assert "| `depth` | 2 |" in text and "torch " in text and "git " in text
+
+
+def test_rewriting_replaces_the_section_and_keeps_stage_order(base_run, base_dir, tmp_path):
+    """
+    Writing a stage again replaces its section (one copy, new content); sections come in the order base, mid, sft,
+    eval whatever order they are written in. Catches: appending instead of replacing, or order by write time.
+    """
+    sft_dir = tmp_path / "sft_run"
+    shutil.copytree(base_run, sft_dir)  # a stand-in for an sft run directory, with a chat eval
+    (sft_dir / "chat_eval.json").write_text(json.dumps(CHAT_EVAL))
+    write_section("r", "eval", str(sft_dir))
+    write_section("r", "sft", str(sft_dir))
+    write_section("r", "base", base_run, extra={"wall_time_s": 61.0})
+    write_section("r", "base", base_run, extra={"wall_time_s": 123.0})
+    text = open(os.path.join(report_dir("r"), "report.md")).read()
+    stage_heads = [h.split(":")[0] for h in headings(text) if h.startswith("## ")]
+    assert stage_heads == ["## base", "## sft", "## eval"]
+    assert text.count("## base: ") == 1 and "wall time of the stage: 2.05 min" in text and "1.02 min" not in text
+    assert "| arith | 3 | 8 | 37.50% |" in text and "| spell | 0 | 8 | 0.00% |" in text
+    assert [s for s in STAGES if os.path.exists(os.path.join(report_dir("r"), f"{s}.md"))] == ["base", "sft", "eval"]
+    assert not [f for f in os.listdir(report_dir("r")) if ".tmp" in f]  # atomic writes leave no temp files
+
+
+def test_cli_regenerates_and_prints_path(base_run, base_dir, capsys):
+    """`python -m nanotrain.report <run>` (its main()) finds the run's stages and prints the report path; an unknown
+    run exits 2 with one error line."""
+    shutil.copytree(base_run, base_dir / "base" / "r")
+    main(["r"])
+    path = capsys.readouterr().out.strip()
+    assert path == str(base_dir / "report" / "r" / "report.md")
+    assert "## base: " in open(path).read()
+    with pytest.raises(SystemExit) as e:
+        main(["nope"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "nope" in err
+
+
+@pytest.mark.unit
+def test_torn_last_metrics_line_is_skipped(tmp_path):
+    """A run killed mid-write leaves a torn last line: skipped. A corrupt line elsewhere names file:line."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "dt": 1.0}\n{"step": 2, "lo')
+    train, val = read_metrics(str(tmp_path))
+    assert [r["step"] for r in train] == [1] and val == []
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2, "loss": 5.0, "dt": 1.0}\n')
+    from nanotrain.common import UserError
+    with pytest.raises(UserError, match="metrics.jsonl:1"):
+        read_metrics(str(tmp_path))
+
+
+@pytest.mark.unit
+def test_only_rank_zero_writes(base_dir, tmp_path, monkeypatch):
+    """Under torchrun, ranks other than 0 write nothing and get None."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "dt": 1.0, "tok_per_sec": 10.0}\n')
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert write_section("r", "base", str(tmp_path)) is None
+    assert not os.path.exists(base_dir / "report")
