@@ -34,4 +34,6 @@ python scripts/chat_eval.py --source=sft --run_name=$RUN --max_problems=100
 
 # 8. a one-shot chat answer
 python scripts/chat_cli.py --source=sft --run_name=$RUN --temperature=0 -p "What is your name?"
+# 9. the report card (config, times, tokens/s and MFU, losses, chat eval, plots)
+python -m nanotrain.report $RUN
 echo "CPU recipe done in $((SECONDS / 60)) min $((SECONDS % 60)) s; outputs in $NANOTRAIN_BASE_DIR/base/$RUN"
