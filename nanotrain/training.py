@@ -260,6 +260,7 @@ def check_replicas(model):
     if any(s.item() != sums[0].item() for s in sums):
         raise RuntimeError(f"parameters differ across ranks: checksums {[s.item() for s in sums]}")
     print0(f"Replica check: parameters identical on all {len(sums)} ranks (checksum {sums[0].item():.10e})")
+    dist.barrier()  # every rank is done communicating before any of them tears the process group down
     return sums[0].item()
 
 
