@@ -213,6 +213,33 @@ def chat_eval_table(chat_eval):
     return "\n".join(lines)
 
 
+def chat_eval_comparison(run_name, run_dir):
+    """
+    A markdown table comparing the chat eval accuracy of every stage of `run_name` that has a chat_eval.json (e.g. the
+    base model, the baseline, against the SFT model), plus `run_dir`'s; "" when fewer than two stages have one.
+    """
+    dirs = dict(find_stage_dirs(run_name))
+    dirs.pop("eval", None)
+    evals = {}
+    for stage, d in dirs.items():
+        e = _read_json(os.path.join(d, "chat_eval.json"))
+        if e:
+            evals[stage] = e
+    if os.path.abspath(run_dir) not in [os.path.abspath(d) for d in dirs.values()]:
+        e = _read_json(os.path.join(run_dir, "chat_eval.json"))
+        if e:
+            evals[os.path.basename(os.path.dirname(os.path.abspath(run_dir))) or "run"] = e
+    if len(evals) < 2:
+        return ""
+    tasks = list(dict.fromkeys(t for e in evals.values() for t in e.get("results", {})))
+    lines = ["| task | " + " | ".join(evals) + " |", "|---|" + "---:|" * len(evals)]
+    for t in tasks:
+        cells = [f"{100 * e['results'][t]['accuracy']:.2f}%" if t in e.get("results", {}) else ""
+                 for e in evals.values()]
+        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    return "Accuracy by stage (greedy decoding, validation split):\n\n" + "\n".join(lines)
+
+
 def auto_batch_text(record):
     """One paragraph summarising an auto_batch_size.json record (found size, probes, cache hit, budget)."""
     if not record:
@@ -229,8 +256,9 @@ def auto_batch_text(record):
     return text
 
 
-def render_section(stage, summary, system, plots):
-    """The markdown of one stage's section (## heading and the SUBSECTIONS as ### headings)."""
+def render_section(stage, summary, system, plots, comparison=""):
+    """The markdown of one stage's section (## heading and the SUBSECTIONS as ### headings); `comparison` (markdown)
+    is added under Chat eval."""
     s = summary
     wall = s["extra"].get("wall_time_s")
     if stage == "eval":
@@ -241,6 +269,10 @@ def render_section(stage, summary, system, plots):
     if s["tokens_per_sec"] is not None:
         mfu = f", MFU {100 * s['mfu']:.1f}%" if s["mfu"] is not None else ""
         speed.append(f"- median tokens/s {s['tokens_per_sec']:,.0f}{mfu} (first step left out)")
+        if s["mfu"] is not None and s["mfu"] > 1:
+            speed.append("- MFU above 100%: the matmul peak the run measured at its start (the MFU denominator on "
+                         "CPU) was measured while other work was using the cores; see scripts/bench.py for a "
+                         "controlled figure")
     loss = []
     if s["first_loss"] is not None:
         loss.append(f"- train loss: first {s['first_loss']:.4f}, last {s['last_loss']:.4f}")
@@ -259,7 +291,7 @@ def render_section(stage, summary, system, plots):
         "### Auto batch size", auto_batch_text(s["auto_batch_size"]) if stage != "eval" else "(n/a)",
         "### Speed", "\n".join(speed),
         "### Loss", "\n".join(loss) or "(no metrics)",
-        "### Chat eval", chat_eval_table(s["chat_eval"]),
+        "### Chat eval", chat_eval_table(s["chat_eval"]) + (f"\n\n{comparison}" if comparison else ""),
         "### Plots", "\n".join(f"![{p}]({p})" for p in plots) or "(no metrics to plot)",
     ]
     return "\n\n".join(parts) + "\n"
@@ -309,13 +341,15 @@ def write_section(run_name, stage, run_dir, extra=None):
     summary = summarize(run_dir, stage, extra)
     plots = write_plots(run_dir, out_dir, stage) if stage != "eval" else []
     atomic_write_json(os.path.join(out_dir, f"{stage}.json"), summary)
-    atomic_write_text(os.path.join(out_dir, f"{stage}.md"), render_section(stage, summary, system_info(), plots))
+    comparison = chat_eval_comparison(run_name, run_dir) if stage == "eval" else ""
+    atomic_write_text(os.path.join(out_dir, f"{stage}.md"),
+                      render_section(stage, summary, system_info(), plots, comparison))
     return _assemble(run_name, out_dir)
 
 
 def find_stage_dirs(run_name):
-    """{stage: run_dir} of the stages of `run_name` present under the base dir; "eval" is the newest of those run
-    directories that holds a chat_eval.json."""
+    """{stage: run_dir} of the stages of `run_name` present under the base dir; "eval" is the last stage's run
+    directory (in the order base, mid, sft) that holds a chat_eval.json."""
     base = get_base_dir()
     found = {}
     for stage in ("base", "mid", "sft"):
@@ -324,7 +358,7 @@ def find_stage_dirs(run_name):
             found[stage] = d
     evals = [d for d in found.values() if os.path.isfile(os.path.join(d, "chat_eval.json"))]
     if evals:
-        found["eval"] = max(evals, key=lambda d: os.path.getmtime(os.path.join(d, "chat_eval.json")))
+        found["eval"] = evals[-1]
     return found
 
 

@@ -13,9 +13,10 @@ the loss sync, optimizer_step. Needs a tokenizer (python scripts/tok_train.py) a
 MFU = flops_per_token (GPT.estimate_flops) * tokens/s / peak. Peak on CUDA: the datasheet table
 nanotrain.common.GPU_PEAK_FLOPS (bf16 dense); on CPU: the (n=1024) matmul throughput in the run's dtype measured in
 this process before and after the timed steps, the larger of the two (a busy machine lowers it, which would inflate
-MFU). Peak memory on CUDA: torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training
-step (nanotrain.auto_batch_size.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's
-peak RSS (getrusage) over the run. Activation checkpointing is not offered: nanotrain.gpt has none.
+MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
+torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
+(nanotrain.auto_batch_size.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
+RSS (getrusage) over the run. Activation checkpointing is not offered: nanotrain.gpt has none.
 
 --vs="<overrides>" builds a second configuration B (A's settings with these --name=value overrides) in the same
 process and times them interleaved, `pairs` rounds of `pair_steps` steps each, A first in even rounds and B first in
@@ -278,6 +279,24 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
     }
 
 
+def busy_machine_warnings(results, system):
+    """
+    Signs that other work shared the machine (list of strings, empty when none): peak samples more than 15% apart,
+    or a 1-minute load average above the core count. A busy machine lowers the measured CPU peak (inflating MFU) and
+    spreads the step times; compare configurations with --vs then.
+    """
+    out = []
+    for r in results:
+        lo, hi = min(r["peak_flops_samples"]), max(r["peak_flops_samples"])
+        if hi > 1.15 * lo:
+            out.append(f"matmul peak samples differ by {100 * (hi / lo - 1):.0f}% ({lo / 1e9:.0f} vs {hi / 1e9:.0f} "
+                       f"GFLOP/s): the machine was busy; MFU and tokens/s are unreliable")
+    load = max(system["load_avg_start"][0], system["load_avg_end"][0])
+    if system["device"] == "cpu" and load > (system["cpu_count"] or 1):
+        out.append(f"1-minute load average {load:.2f} > {system['cpu_count']} cores: other processes shared the CPU")
+    return out
+
+
 def main():
     from nanotrain.dataset import resolve_data_files
     from nanotrain.tokenizer import get_tokenizer
@@ -343,10 +362,11 @@ def main():
         "load_avg_start": list(load_start), "load_avg_end": list(os.getloadavg()),
     }
     tok = tokenizer_throughput(tokenizer, train_files, setups[0].loader.num_threads, tokenizer_chars)
+    warnings = busy_machine_warnings(results, system)
     if cfg_b is None:
-        out = dict(results[0], tokenizer=tok, system=system)
+        out = dict(results[0], tokenizer=tok, system=system, warnings=warnings)
     else:
-        out = {"a": results[0], "b": results[1], "tokenizer": tok, "system": system,
+        out = {"a": results[0], "b": results[1], "tokenizer": tok, "system": system, "warnings": warnings,
                "vs": {"overrides": vs, "ratios": ratios, "median_ratio": statistics.median(ratios),
                       "metric": "tokens/s of b / tokens/s of a, per round", "pairs": pairs,
                       "pair_steps": pair_steps, "order": "a b, b a, a b, ... (alternating)"}}

@@ -49,6 +49,7 @@ def test_bench_prints_one_json_object(base_dir):
     sysinfo = out["system"]
     assert sysinfo["device"] == "cpu" and sysinfo["torch"] and sysinfo["cpu_count"] >= 1
     assert len(sysinfo["load_avg_start"]) == 3
+    assert isinstance(out["warnings"], list) and all(isinstance(w, str) for w in out["warnings"])
 
 
 @pytest.mark.smoke

@@ -87,6 +87,23 @@ def test_cli_regenerates_and_prints_path(base_run, base_dir, capsys):
     assert e.value.code == 2 and err.startswith("error: ") and "nope" in err
 
 
+def test_eval_section_compares_stages(base_run, base_dir):
+    """
+    The eval section compares the chat eval of every stage of the run (the base model is the baseline). Catches:
+    showing only the last evaluation, or mixing up which accuracy belongs to which stage.
+    """
+    for stage, correct in (("base", 0), ("sft", 3)):
+        d = base_dir / stage / "r"
+        shutil.copytree(base_run, d)
+        e = dict(CHAT_EVAL, source=stage, results={"arith": {"correct": correct, "total": 8,
+                                                              "accuracy": correct / 8}})
+        (d / "chat_eval.json").write_text(json.dumps(e))
+    main(["r"])
+    text = open(os.path.join(report_dir("r"), "report.md")).read()
+    assert "| task | base | sft |" in text and "| arith | 0.00% | 37.50% |" in text
+    assert [h.split(":")[0] for h in headings(text) if h.startswith("## ")] == ["## base", "## sft", "## eval"]
+
+
 @pytest.mark.unit
 def test_torn_last_metrics_line_is_skipped(tmp_path):
     """A run killed mid-write leaves a torn last line: skipped. A corrupt line elsewhere names file:line."""
