@@ -328,7 +328,8 @@ def write_section(run_name, stage, run_dir, extra=None):
     Writes (or replaces) `stage`'s section of <base_dir>/report/<run_name>/report.md from the stage's run directory
     (config.json, metrics.jsonl, auto_batch_size.json and chat_eval.json when present), with the plots
     <stage>_loss.png and <stage>_tokens_per_sec.png. extra: optional dict shown in the section; "wall_time_s"
-    (seconds) is the stage's wall time. Only rank 0 writes: returns the report path, or None on other ranks.
+    (seconds) is the stage's wall time; when None, the extra recorded by the last write of this stage from the same
+    run_dir is kept (so regenerating the report keeps the scripts' wall times). Only rank 0 writes: returns the report path, or None on other ranks.
     Raises UserError for an unknown stage, a missing run_dir or a corrupt JSON file.
     """
     if stage not in STAGES:
@@ -338,7 +339,10 @@ def write_section(run_name, stage, run_dir, extra=None):
     if not is_master():
         return None
     out_dir = report_dir(run_name)
-    summary = summarize(run_dir, stage, extra)
+    if extra is None:  # a regeneration (python -m nanotrain.report) keeps what the script recorded, e.g. wall time
+        old = _read_json(os.path.join(out_dir, f"{stage}.json")) or {}
+        extra = old.get("extra") if old.get("run_dir") == os.path.abspath(run_dir) else None
+    summary = dict(summarize(run_dir, stage, extra), run_dir=os.path.abspath(run_dir))
     plots = write_plots(run_dir, out_dir, stage) if stage != "eval" else []
     atomic_write_json(os.path.join(out_dir, f"{stage}.json"), summary)
     comparison = chat_eval_comparison(run_name, run_dir) if stage == "eval" else ""

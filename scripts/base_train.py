@@ -30,6 +30,7 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure
+from nanotrain.report import write_section
 from nanotrain.training import (
     MetricsLog,
     StopSignals,
@@ -103,6 +104,7 @@ def batch_arithmetic_error(total, B, T, world):
 
 
 def main():
+    t_start = time.time()  # wall time of the stage, for the report card
     from nanotrain.dataloader import TokenLoader
     from nanotrain.dataset import resolve_data_files
     from nanotrain.gpt import GPT, config_from_depth
@@ -302,6 +304,9 @@ def main():
            f"final val bpb {val_bpb if val_bpb is None else round(val_bpb, 4)}")
     print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
     metrics.close()
+    report = write_section(os.path.basename(run_dir), "base", run_dir, {"wall_time_s": time.time() - t_start})
+    if report:  # rank 0 only
+        print0(f"Report card: {report}")
 
 
 if __name__ == "__main__":

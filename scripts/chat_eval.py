@@ -18,6 +18,7 @@ import torch
 
 from nanotrain.common import UserError, atomic_write_json, autodetect_device_type, die
 from nanotrain.configurator import configure
+from nanotrain.report import write_section
 
 source = "sft"  # which stage's checkpoint: sft | mid | base
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -32,6 +33,7 @@ config = configure(globals())
 
 
 def main():
+    t_start = time.time()  # wall time of the evaluation, for the report card
     from nanotrain.engine import Engine, load_model
     from nanotrain.tasks import grade, load_jsonl, load_task
 
@@ -69,6 +71,8 @@ def main():
     atomic_write_json(out, {"checkpoint": path, "step": meta.get("step"), "source": source, "config": config,
                             "results": results})
     print(f"saved {out}")
+    report = write_section(os.path.basename(run_dir), "eval", run_dir, {"wall_time_s": time.time() - t_start})
+    print(f"Report card: {report}")
 
 
 if __name__ == "__main__":

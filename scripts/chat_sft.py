@@ -41,6 +41,7 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure
+from nanotrain.report import write_section
 from nanotrain.training import (
     MetricsLog,
     StopSignals,
@@ -164,6 +165,7 @@ def sft_builder(model_config, packing, **optimizer_kwargs):
 
 
 def main():
+    t_start = time.time()  # wall time of the stage, for the report card
     from nanotrain.engine import Engine
     from nanotrain.gpt import GPT, GPTConfig
     from nanotrain.sft_data import (
@@ -385,6 +387,9 @@ def main():
            f"final val loss {val_loss if val_loss is None else round(val_loss, 4)}")
     print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
     metrics.close()
+    report = write_section(os.path.basename(run_dir), "sft", run_dir, {"wall_time_s": time.time() - t_start})
+    if report:  # rank 0 only
+        print0(f"Report card: {report}")
 
 
 if __name__ == "__main__":

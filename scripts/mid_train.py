@@ -35,6 +35,7 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure
+from nanotrain.report import write_section
 from nanotrain.training import (
     MetricsLog,
     StopSignals,
@@ -104,6 +105,7 @@ def all_reduce_min(value, device):
 
 
 def main():
+    t_start = time.time()  # wall time of the stage, for the report card
     from nanotrain.engine import Engine
     from nanotrain.gpt import GPT, GPTConfig
     from nanotrain.loss_eval import evaluate_bpb
@@ -313,6 +315,9 @@ def main():
            f"final val bpb {val_bpb if val_bpb is None else round(val_bpb, 4)}")
     print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
     metrics.close()
+    report = write_section(os.path.basename(run_dir), "mid", run_dir, {"wall_time_s": time.time() - t_start})
+    if report:  # rank 0 only
+        print0(f"Report card: {report}")
 
 
 if __name__ == "__main__":

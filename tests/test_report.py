@@ -31,6 +31,25 @@ def headings(text):
     return [ln for ln in text.splitlines() if ln.startswith("## ") or ln.startswith("### ")]
 
 
+def test_training_script_writes_its_own_section(base_run, monkeypatch):
+    """
+    base_train itself appends its section (with its wall time) to the report card of its run at the end; the
+    CLI regeneration keeps that wall time. Catches: a script that forgets the report, or a regeneration that loses
+    what only the script knew.
+    """
+    base = os.path.dirname(os.path.dirname(base_run))
+    path = os.path.join(base, "report", "r", "report.md")
+    text = open(path).read()
+    assert "## base: " in text and "wall time of the stage: " in text
+    for name in ("base_loss.png", "base_tokens_per_sec.png"):
+        assert open(os.path.join(base, "report", "r", name), "rb").read().startswith(PNG)
+    recorded = json.load(open(os.path.join(base, "report", "r", "base.json")))["extra"]["wall_time_s"]
+    assert recorded > 0
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", base)
+    main(["r"])
+    assert json.load(open(os.path.join(base, "report", "r", "base.json")))["extra"]["wall_time_s"] == recorded
+
+
 def test_section_has_every_heading_and_plots(base_run, base_dir):
     """
     A base section has every subsection, the numbers of the run, and valid non-empty PNGs that it links.
