@@ -7,6 +7,8 @@ Layout of a run directory (<base_dir>/<stage>/<run>/):
     checkpoints/step_000100/    one complete checkpoint:
         model.pt                model state dict (fp32 tensors)
         optim.pt                list of optimizer state dicts (identical on every rank under DDP; saved by rank 0)
+                                (under FSDP2 the shards are gathered first: the files are the same in both modes,
+                                so a run can resume with or without --fsdp; nanotrain.fsdp)
         rank_00000.pt ...       per-rank state: RNG states and the data loader position
         meta.json               step, settings, model config, tokens seen, version, git commit (written last)
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 import nanotrain
 from nanotrain.common import atomic_write_json, get_base_dir, git_commit
+from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
 
 CHECKPOINT_FORMAT = 1
 
@@ -62,8 +65,9 @@ def set_rng_state(state, device):
 
 def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, world_size=1, keep_last=0):
     """
-    Writes checkpoints/step_{step:06d}/ atomically. Collective under DDP: every rank must call it.
-    model: the unwrapped nn.Module (its state dict is saved by rank 0); optimizers: list (rank 0 saves their states);
+    Writes checkpoints/step_{step:06d}/ atomically. Collective under DDP and FSDP: every rank must call it.
+    model: the unwrapped nn.Module (its state dict is saved by rank 0; a model sharded with FSDP2 is gathered first,
+    so the file is the unsharded state dict); optimizers: list (rank 0 saves their states, gathered likewise);
     meta: JSON-serialisable dict (step, version and git commit are added); rank_state: this rank's dict of tensors and
     plain values (RNG, loader state). keep_last > 0 deletes all but the newest keep_last checkpoints.
     Returns the checkpoint's path.
@@ -77,9 +81,13 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
         os.makedirs(tmp)
     _barrier()
     torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+    if is_fsdp(model):  # collective: all ranks gather, rank 0 receives
+        model_state, optim_states = full_state_dicts(model, optimizers)
+    elif rank == 0:
+        model_state, optim_states = model.state_dict(), [opt.state_dict() for opt in optimizers]
     if rank == 0:
-        torch.save(model.state_dict(), os.path.join(tmp, "model.pt"))
-        torch.save([opt.state_dict() for opt in optimizers], os.path.join(tmp, "optim.pt"))
+        torch.save(model_state, os.path.join(tmp, "model.pt"))
+        torch.save(optim_states, os.path.join(tmp, "optim.pt"))
     _barrier()
     if rank == 0:
         meta = dict(meta, step=step, world_size=world_size, format=CHECKPOINT_FORMAT,
@@ -98,6 +106,21 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
                 shutil.rmtree(path, ignore_errors=True)
     _barrier()
     return final
+
+
+def load_optimizers(model, optimizers, states):
+    """
+    Loads the optimizer states of a checkpoint (the "optim" list of load_checkpoint) into `optimizers`, the list
+    model.setup_optimizers() returned. For a model sharded with FSDP2 each rank keeps its shard of the full states
+    (collective; nanotrain.fsdp.load_optimizer_states), else opt.load_state_dict. Raises ValueError on a count mismatch.
+    """
+    if len(states) != len(optimizers):
+        raise ValueError(f"the checkpoint has {len(states)} optimizer states, the model {len(optimizers)} optimizers")
+    if is_fsdp(model):
+        load_optimizer_states(model, optimizers, states)
+        return
+    for opt, state in zip(optimizers, states):
+        opt.load_state_dict(state)
 
 
 def list_checkpoints(run_dir):

@@ -4,8 +4,12 @@ blocks. Source: Keller Jordan, "Muon: An optimizer for hidden layers in neural n
 https://kellerjordan.github.io/posts/muon/) and KellerJordan/modded-nanogpt; nanochat v0/v1 `nanochat/muon.py`.
 
 Plain single-process optimizer: under DDP the gradients are already averaged when step() runs, so every rank
-computes the same update.
+computes the same update. Under FSDP2 (nanotrain.fsdp) parameters, gradients and momentum buffers are DTensors
+sharded on dim 0: Newton-Schulz needs the whole matrix, so each update is all-gathered, orthogonalised on every rank
+(the same result everywhere) and only the local rows are applied; the momentum buffers stay sharded.
 """
+
+import sys
 
 import torch
 
@@ -45,6 +49,22 @@ def zeropower_via_newtonschulz5(G, steps=5, dtype=None):
     return X.mT if transposed else X
 
 
+def orthogonalize(update, steps=5):
+    """
+    zeropower_via_newtonschulz5 of a momentum update (rows, cols). A plain tensor is orthogonalised as it is. A DTensor
+    (FSDP2: sharded on dim 0 over the ranks) is all-gathered with full_tensor(), orthogonalised whole on every rank,
+    and cut back to this rank's rows (distribute_tensor with src_data_rank=None slices locally, no communication),
+    so the result equals the unsharded update's rows; orthogonalising the local rows alone would not (the polar
+    factor of a block of rows is not a block of the polar factor). Collective for a DTensor: all ranks must call it.
+    Returns a tensor (or DTensor with update's placements) of update's shape in the Newton-Schulz compute dtype.
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")  # only loaded (a second to import) when DTensors exist
+    if dtensor is None or not isinstance(update, dtensor.DTensor):
+        return zeropower_via_newtonschulz5(update, steps=steps)
+    full = zeropower_via_newtonschulz5(update.full_tensor(), steps=steps)
+    return dtensor.distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+
 class Muon(torch.optim.Optimizer):
     """
     Muon optimizer for 2-D parameters (Keller Jordan 2024; modded-nanogpt; nanochat v0/v1).
@@ -52,11 +72,11 @@ class Muon(torch.optim.Optimizer):
     Per parameter p (rows, cols) with gradient g, each step:
         buf = lerp(buf, g, 1 - momentum)                       # EMA momentum buffer, starts at zero
         u = lerp(g, buf, momentum) if nesterov else buf        # Nesterov-style look-ahead
-        u = zeropower_via_newtonschulz5(u, ns_steps)           # orthogonalise
+        u = zeropower_via_newtonschulz5(u, ns_steps)           # orthogonalise (the whole matrix: orthogonalize())
         p -= lr * sqrt(max(1, rows / cols)) * u
     lr and momentum are read from the param group at every step (schedules may change them, e.g. the momentum
     warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped. state_dict/load_state_dict are the standard
-    torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p).
+    torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p; a DTensor sharded like p under FSDP2).
     Raises ValueError for a parameter that is not 2-D or for a negative lr/momentum.
     """
 
@@ -88,7 +108,7 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(g, 1 - momentum)
                 update = g.lerp(buf, momentum) if group["nesterov"] else buf
-                update = zeropower_via_newtonschulz5(update, steps=group["ns_steps"])
-                scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+                update = orthogonalize(update, group["ns_steps"])
+                scale = max(1.0, p.size(-2) / p.size(-1)) ** 0.5  # a DTensor's size is the full matrix's
                 p.add_(update.to(p.dtype), alpha=-lr * scale)
         return loss

@@ -1,6 +1,7 @@
 """
 The small pieces of a training loop that every stage (base_train, mid_train, chat_sft) shares: precision set-up,
-the lr schedule, the optimizer step, stop signals, the metrics log, and the replica check under DDP.
+the lr schedule, the optimizer step, stop signals, the metrics log, and the replica check under DDP. Models sharded
+with FSDP2 (nanotrain.fsdp) go through the same functions.
 The loops themselves stay in the scripts, to be read top to bottom.
 """
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.common import UserError, print0
+from nanotrain.fsdp import is_fsdp
 from nanotrain.muon import Muon
 
 
@@ -60,20 +62,26 @@ def forward_backward(model, inputs, targets, micro_batch_size, autocast_ctx):
     Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the gradient
     of the mean loss over all N * T tokens (every micro-batch holds the same number of tokens: pretraining targets are
     never -1). Under DDP (model is DistributedDataParallel) gradients are all-reduced only in the last micro-step's
-    backward (no_sync on the others, as in nanoGPT). Returns the mean loss over the N rows (detached 0-dim tensor).
-    Raises ValueError if N is not a multiple of micro_batch_size.
+    backward (no_sync on the others, as in nanoGPT); under FSDP2 (nanotrain.fsdp) likewise only the last micro-step
+    reduce-scatters (set_requires_gradient_sync), the others accumulate unsharded gradients locally (as much gradient
+    memory as DDP until that reduce-scatter; syncing every micro-step would keep less and communicate more).
+    Returns the mean loss over the N rows (detached 0-dim tensor). Raises ValueError if N is not a multiple of
+    micro_batch_size.
     """
     n_rows = inputs.size(0)
     if n_rows % micro_batch_size != 0:
         raise ValueError(f"{n_rows} rows do not split into micro-batches of {micro_batch_size}")
     n_micro = n_rows // micro_batch_size
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    sharded = is_fsdp(model)
     loss_sum = torch.zeros((), device=inputs.device)
     for i in range(n_micro):
         x = inputs[i * micro_batch_size:(i + 1) * micro_batch_size]
         y = targets[i * micro_batch_size:(i + 1) * micro_batch_size]
         if is_ddp:
             model.require_backward_grad_sync = i == n_micro - 1
+        elif sharded:
+            model.set_requires_gradient_sync(i == n_micro - 1)
         with autocast_ctx:
             loss = model(x, y)
         loss_sum += loss.detach()
@@ -99,10 +107,14 @@ def forward_backward_or_step_down(model, inputs, targets, micro_batch_size, cand
     cannot leave the others waiting in a gradient all-reduce; for that, under DDP the micro-steps run without DDP's
     sync and the gradients are averaged with one all-reduce per parameter at the end.
     Returns (mean loss over the rows, the micro-batch size that worked). Raises UserError if the smallest candidate
-    runs out of memory; non-OOM errors propagate.
+    runs out of memory or if the model is sharded with FSDP2 (its all-gathers run inside forward and backward, so a
+    rank that fails there cannot leave the others; use forward_backward); non-OOM errors propagate.
     """
     from nanotrain.auto_batch_size import is_oom_error, next_smaller_candidate
 
+    if is_fsdp(model):
+        raise UserError("--fsdp=True: the out-of-memory step-down of --auto_batch_size is not available under FSDP "
+                        "(collectives inside forward/backward); use forward_backward")
     is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     device = inputs.device
     while True:
@@ -156,9 +168,13 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     set each group's lr to initial_lr * lrm and Muon's momentum, step, and zero the gradients (set to None).
     If the global gradient norm is NaN/inf nothing is updated and the gradients are dropped (with the soft-capped
     loss a NaN gradient shows up a step before a NaN loss); the caller stops with check_finite on the returned norm.
-    Returns the gradient norm before clipping (a 0-dim fp32 tensor, also when grad_clip is 0).
+    Returns the gradient norm before clipping (a plain 0-dim fp32 tensor, also when grad_clip is 0). Under FSDP2 the
+    norm is computed over the shards and all-reduced by clip_grad_norm_ (a replicated DTensor, made plain here), so it
+    is the global norm on every rank.
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    if hasattr(grad_norm, "full_tensor"):  # DTensor (FSDP2)
+        grad_norm = grad_norm.full_tensor()
     if not torch.isfinite(grad_norm):
         model.zero_grad(set_to_none=True)
         return grad_norm
@@ -248,9 +264,15 @@ class MetricsLog:
 def check_replicas(model):
     """
     Under DDP: compares a float64 checksum of every parameter across ranks and raises RuntimeError if any rank's
-    parameters differ (replica drift). Returns the checksum (float); a no-op returning None without DDP.
+    parameters differ (replica drift). Returns the checksum (float); a no-op returning None without DDP. Under FSDP2
+    (sharded parameters, no replicas; a full_tensor() is the same all-gather on every rank) nothing is compared: it
+    prints a note, waits at a barrier like the DDP path and returns None.
     """
     if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if is_fsdp(model):
+        print0("Replica check: skipped under FSDP (parameters are sharded across ranks, not replicated)")
+        dist.barrier()
         return None
     with torch.no_grad():
         checksum = sum((p.double().flatten() * torch.linspace(1, 2, p.numel(), dtype=torch.float64,
