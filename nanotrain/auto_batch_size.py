@@ -478,13 +478,15 @@ def device_memory_budget(device, device_memory_gb=None, local_world_size=1):
 
 # ----------------------------------------------------------------------------- model factory for nanotrain's GPT
 
-def gpt_builder(model_config, **optimizer_kwargs):
+def gpt_builder(model_config, *, activation_checkpointing=False, **optimizer_kwargs):
     """
     A build_model(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: the model is created directly on `device`
-    (works under FakeTensorMode, unlike meta + to_empty), initialised with init_weights(), and
+    (works under FakeTensorMode, unlike meta + to_empty), initialised with init_weights(), its
+    activation_checkpointing attribute set as training sets it (the probes then measure the checkpointed step), and
     setup_optimizers(**optimizer_kwargs) gives fresh optimizers without state. Uses (and so advances) torch's global
-    RNG; discover_device_batch_size restores it. The returned function carries `key_fields` (the GPT config and the
-    optimizer arguments), which discover_device_batch_size puts into the cache key.
+    RNG; discover_device_batch_size restores it. The returned function carries `key_fields` (the GPT config, the
+    activation checkpointing flag and the optimizer arguments), which discover_device_batch_size puts into the cache
+    key, so a size found without checkpointing is never reused with it (or the other way round).
     """
     from nanotrain.gpt import GPT
 
@@ -492,10 +494,13 @@ def gpt_builder(model_config, **optimizer_kwargs):
         with torch.device(device):
             model = GPT(model_config)
         model.init_weights()
+        model.activation_checkpointing = bool(activation_checkpointing)
         return model, model.setup_optimizers(**optimizer_kwargs)
 
     # discover_device_batch_size adds these to the cache key, so a different model can never hit this model's entry
-    build_model.key_fields = {"gpt_config": dict(vars(model_config)), "optimizer_kwargs": dict(optimizer_kwargs)}
+    build_model.key_fields = {"gpt_config": dict(vars(model_config)),
+                              "activation_checkpointing": bool(activation_checkpointing),
+                              "optimizer_kwargs": dict(optimizer_kwargs)}
     return build_model
 
 
@@ -840,7 +845,7 @@ def discover_device_batch_size(build_model, *, max_seq_len, vocab_size, total_ba
 # ----------------------------------------------------------------------------- plan mode
 
 def plan(depths, *, max_seq_len=2048, vocab_size=65536, total_batch_size=524288, device_memory_gb=80.0,
-         margin=DEFAULT_MARGIN, world_size=1, out=print):
+         margin=DEFAULT_MARGIN, world_size=1, activation_checkpointing=False, out=print):
     """
     Plan mode: ESTIMATES, without a GPU, the largest device_batch_size of nanotrain's GPT at each depth for a CUDA
     device with device_memory_gb GiB, bf16 autocast, eager step (probe_step measured by measure_fake_peak, searched
@@ -849,6 +854,7 @@ def plan(depths, *, max_seq_len=2048, vocab_size=65536, total_batch_size=524288,
     CPU-only build does not have: c10::impl::ensureCUDADeviceGuardSet only replaces an existing one, and the process
     aborts with "PyTorch is not linked with support for cuda devices"), so it measures fake CPU tensors in bf16
     (CPU autocast; the CPU flash-attention kernel, whose memory matches CUDA's flash attention) and says so.
+    activation_checkpointing: measure the step with per-block activation checkpointing (GPT.activation_checkpointing).
     Prints a table (depth, params, candidate, estimated peak GiB, fits) and returns {depth: batch_size}.
     """
     from nanotrain.gpt import GPT, config_from_depth
@@ -861,7 +867,8 @@ def plan(depths, *, max_seq_len=2048, vocab_size=65536, total_batch_size=524288,
         f"{device_memory_gb:g} GiB; a size fits if its peak <= {margin:g} x {device_memory_gb:g} = "
         f"{limit / GiB:.4g} GiB. max_seq_len={max_seq_len}, vocab_size={vocab_size}, total_batch_size="
         f"{total_batch_size}, world_size={world_size}, bf16 autocast, uncompiled step "
-        f"(2 micro-steps + optimizer step + 1 micro-step).")
+        f"(2 micro-steps + optimizer step + 1 micro-step), activation checkpointing "
+        f"{'on' if activation_checkpointing else 'off'}.")
     if fake_device == "cpu":
         out("Measured with fake CPU tensors in bf16: this torch is CPU-only and cannot record fake CUDA tensors for "
             "autograd. Live tensor bytes only: the CUDA caching allocator, the CUDA context (~0.5 GiB), NCCL buffers "
@@ -875,7 +882,7 @@ def plan(depths, *, max_seq_len=2048, vocab_size=65536, total_batch_size=524288,
         config = config_from_depth(depth, vocab_size, max_seq_len)
         with torch.device("meta"):
             num_params = GPT(config).num_params()
-        build_model = gpt_builder(config)
+        build_model = gpt_builder(config, activation_checkpointing=activation_checkpointing)
         peaks = {}
 
         def fits(batch_size):
@@ -903,6 +910,13 @@ def plan(depths, *, max_seq_len=2048, vocab_size=65536, total_batch_size=524288,
     return found
 
 
+def _parse_bool(text):
+    """'True'/'False' (any case) -> bool, else ValueError (argparse turns it into a usage error)."""
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
 def main(argv=None):
     """Command line of plan mode; see `python -m nanotrain.auto_batch_size --help`."""
     parser = argparse.ArgumentParser(prog="python -m nanotrain.auto_batch_size",
@@ -916,6 +930,8 @@ def main(argv=None):
     parser.add_argument("--device_memory_gb", type=float, default=80.0, help="device memory in GiB")
     parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
     parser.add_argument("--world_size", type=int, default=1)
+    parser.add_argument("--activation_checkpointing", type=_parse_bool, default=False,
+                        help="True: measure with per-block activation checkpointing (default False)")
     args = parser.parse_args(argv)
     try:
         depths = [args.depth] if args.depth is not None else [int(d) for d in args.depths.split(",") if d.strip()]
@@ -926,7 +942,8 @@ def main(argv=None):
     if args.device_memory_gb <= 0:
         raise UserError(f"--device_memory_gb={args.device_memory_gb}: expected a positive number of GiB")
     plan(depths, max_seq_len=args.max_seq_len, vocab_size=args.vocab_size, total_batch_size=args.total_batch_size,
-         device_memory_gb=args.device_memory_gb, margin=args.margin, world_size=args.world_size)
+         device_memory_gb=args.device_memory_gb, margin=args.margin, world_size=args.world_size,
+         activation_checkpointing=args.activation_checkpointing)
 
 
 if __name__ == "__main__":

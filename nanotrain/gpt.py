@@ -8,6 +8,8 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
   (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
   (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
+- optional activation checkpointing per block (model.activation_checkpointing = True): Chen et al. 2016, "Training
+  Deep Nets with Sublinear Memory Cost"; torch.utils.checkpoint, non-reentrant, as torchtitan/nanotron do per layer.
 """
 
 import math
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils.checkpoint import checkpoint
 
 from nanotrain.common import UserError, print0
 from nanotrain.muon import Muon
@@ -217,6 +220,14 @@ class GPT(nn.Module):
     followed by `model.to_empty(device=...)`; then call init_weights(). Raises UserError for an inconsistent config
     (model_dim % n_head, n_head % n_kv_head, odd head_dim). Modules: wte, blocks[i].attn.{c_q,c_k,c_v,c_proj},
     blocks[i].mlp.{c_fc,c_proj}, lm_head. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
+
+    activation_checkpointing (attribute, default False; the scripts' --activation_checkpointing sets it on the built
+    model before DDP / torch.compile): when True, a forward in training mode with grad enabled and without a KV cache
+    keeps only each block's input and recomputes the block during backward (torch.utils.checkpoint.checkpoint,
+    use_reentrant=False, so it composes with torch.compile, DDP, doc_ids packing and FakeTensorMode). Saves the
+    activations inside the blocks (~all of them but the residual stream and the head) for ~1 extra block forward per
+    step (~+33% FLOPs, not counted in estimate_flops). Loss and gradients are unchanged (the model has no dropout, so
+    the RNG state is not replayed). Not a config field: it changes memory and speed, not the model.
     """
 
     def __init__(self, config):
@@ -228,6 +239,7 @@ class GPT(nn.Module):
             raise UserError(f"GPTConfig: need model_dim % n_head == 0, n_head % n_kv_head == 0 and an even head_dim "
                             f"(got model_dim={c.model_dim}, n_head={c.n_head}, n_kv_head={c.n_kv_head})")
         self.config = config
+        self.activation_checkpointing = False
         self.head_dim = c.model_dim // c.n_head
         self.wte = nn.Embedding(c.vocab_size, c.model_dim)
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.n_layer)])
@@ -336,8 +348,12 @@ class GPT(nn.Module):
                 raise ValueError(f"a packed sequence exceeds the rotary table length {self.rotary_len}")
             cos_sin = self.cos[0, segments.positions], self.sin[0, segments.positions]  # (B, T, 1, D/2)
         x = norm(self.wte(idx))
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
         for block in self.blocks:
-            x = block(x, cos_sin, kv_cache, segments)
+            if recompute:  # keep only the block's input; its inside is recomputed in backward
+                x = checkpoint(block, x, cos_sin, None, segments, use_reentrant=False, preserve_rng_state=False)
+            else:
+                x = block(x, cos_sin, kv_cache, segments)
         logits = self.lm_head(norm(x)).float()
         logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
         if targets is None:

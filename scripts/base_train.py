@@ -16,7 +16,7 @@ import time
 import torch
 
 from nanotrain.auto_batch_size import discover_device_batch_size, drop_cached, gpt_builder
-from nanotrain.checkpoint import get_run_dir, load_latest, rng_state, save_checkpoint, set_rng_state
+from nanotrain.checkpoint import get_run_dir, load_latest, load_optimizers, rng_state, save_checkpoint, set_rng_state
 from nanotrain.common import (
     UserError,
     atomic_write_json,
@@ -30,6 +30,7 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure
+from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.report import write_section
 from nanotrain.training import (
     MetricsLog,
@@ -84,6 +85,8 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
+activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
+fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 config = configure(globals(), none_types={"device_batch_size": (int,), "device_memory_gb": (float,),
                                           "max_batch_size": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
@@ -117,6 +120,9 @@ def main():
     signals = StopSignals()
     amp, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
     use_compile = (device.type == "cuda") if compile is None else compile
+    use_fsdp = fsdp and world_size > 1
+    if fsdp and not use_fsdp:
+        print0("--fsdp=True with one process: nothing to shard, training without FSDP")
 
     # tokenizer and model config
     tokenizer = get_tokenizer()
@@ -135,8 +141,8 @@ def main():
         if auto_batch_size:
             print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
     elif auto_batch_size:
-        build = gpt_builder(model_config, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
-                            unembedding_lr=unembedding_lr, weight_decay=weight_decay)
+        build = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, matrix_lr=matrix_lr,
+                            embedding_lr=embedding_lr, unembedding_lr=unembedding_lr, weight_decay=weight_decay)
         device_batch_size, ab_record = discover_device_batch_size(
             build, max_seq_len=max_seq_len, vocab_size=vocab_size, total_batch_size=total_batch_size,
             world_size=world_size, device=device, amp_dtype=torch.bfloat16 if amp == "bfloat16" else None,
@@ -144,6 +150,9 @@ def main():
             max_batch_size=max_batch_size, use_cache=batch_size_cache, key_fields={})
         if master:
             atomic_write_json(os.path.join(run_dir, "auto_batch_size.json"), ab_record)
+        if use_fsdp:
+            print0(f"--fsdp=True: device_batch_size={device_batch_size} was measured for the unsharded (DDP) model, "
+                   f"which needs more memory per device than FSDP; no out-of-memory step-down under FSDP")
     else:
         device_batch_size = 32
         print0(f"device_batch_size not set: using the fixed default {device_batch_size}")
@@ -156,7 +165,7 @@ def main():
     grad_accum_steps = total_batch_size // world_tokens_per_fwdbwd
 
     # resume state
-    ckpt = load_latest(run_dir, device, rank) if resume else None
+    ckpt = load_latest(run_dir, torch.device("cpu") if use_fsdp else device, rank) if resume else None
     if resume and ckpt is None:
         print0(f"warning: --resume=True but {run_dir} has no complete checkpoint; starting fresh")
     if ckpt is not None:
@@ -173,21 +182,23 @@ def main():
     seed_everything(seed)
     with torch.device("meta"):
         model = GPT(model_config)
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if use_fsdp else device)  # FSDP: whole on the host only, sharded below
     model.init_weights()
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
+    model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
+    if use_fsdp:  # in place, block by block onto the device (the CPU init equals DDP's on CPU, not CUDA's RNG)
+        shard_model(model, device, amp)
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(matrix_lr=matrix_lr, embedding_lr=embedding_lr,
                                         unembedding_lr=unembedding_lr, weight_decay=weight_decay)
     if ckpt is not None:
-        for opt, state in zip(optimizers, ckpt["optim"]):
-            opt.load_state_dict(state)
+        load_optimizers(model, optimizers, ckpt["optim"])
     if use_compile:
         model = torch.compile(model, dynamic=False)
-    if is_ddp:
+    if is_ddp and not use_fsdp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                           else None)
 
@@ -213,7 +224,7 @@ def main():
 
     # logging
     peak_flops, peak_source = get_peak_flops(device, torch.float32 if amp == "float32" else torch.bfloat16)
-    print0(f"Device: {device} x {world_size} | dtype {amp} | compile {use_compile}")
+    print0(f"Device: {device} x {world_size} | dtype {amp} | compile {use_compile} | fsdp {use_fsdp}")
     print0(f"Model: depth {depth}, model_dim {model_config.model_dim}, n_head {model_config.n_head}, "
            f"vocab {vocab_size:,}, params {num_params:,}, FLOPs/token {flops_per_token:.3e}")
     print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
@@ -257,12 +268,13 @@ def main():
             val_bpb = evaluate_bpb(model, val_batches(), eval_steps, token_bytes, autocast_ctx)
             print0(f"step {step:05d}/{total_steps:05d} | val bpb {val_bpb:.4f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_bpb=val_bpb)
-        if master and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
-            for p in prompts:
-                ids = tokenizer.encode(p, prepend=tokenizer.get_bos_token_id())
-                with autocast_ctx:
-                    out = list(orig_model.generate(ids, max_tokens=16, temperature=0.0))
-                print0(f"sample: {p!r} -> {tokenizer.decode(out)!r}")
+        if (master or use_fsdp) and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
+            with gathered_root(orig_model):  # FSDP: every rank runs the same forwards (all-gathers), rank 0 prints
+                for p in prompts:
+                    ids = tokenizer.encode(p, prepend=tokenizer.get_bos_token_id())
+                    with autocast_ctx:
+                        out = list(orig_model.generate(ids, max_tokens=16, temperature=0.0))
+                    print0(f"sample: {p!r} -> {tokenizer.decode(out)!r}")
         if last_step:
             break
 
@@ -270,7 +282,7 @@ def main():
         synchronize(device)
         t0 = time.time()
         x, y = train_loader.next_batch(device_batch_size * grad_accum_steps)  # this step's rows, all micro-batches
-        if ab_record is None:
+        if ab_record is None or use_fsdp:  # no OOM step-down under FSDP (collectives inside forward/backward)
             loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
         else:  # a discovered size: an OOM steps every rank down to the next candidate and redoes the step
             loss, micro = forward_backward_or_step_down(model, x, y, device_batch_size, ab_record["candidates"],

@@ -16,7 +16,8 @@ this process before and after the timed steps, the larger of the two (a busy mac
 MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
 torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
 (nanotrain.auto_batch_size.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
-RSS (getrusage) over the run. Activation checkpointing is not offered: nanotrain.gpt has none.
+RSS (getrusage) over the run. --activation_checkpointing=True measures the checkpointed step (both the timing and the
+memory estimate), e.g. --vs="--activation_checkpointing=True" for its cost in tokens/s.
 
 --vs="<overrides>" builds a second configuration B (A's settings with these --name=value overrides) in the same
 process and times them interleaved, `pairs` rounds of `pair_steps` steps each, A first in even rounds and B first in
@@ -46,6 +47,7 @@ device_batch_size = 8  # rows per micro-batch
 total_batch_size = 4096  # tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len))
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
 compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
+activation_checkpointing = False  # recompute each block in backward (less memory, more compute), as base_train
 device_type = ""  # cuda | mps | cpu; "" autodetects
 data = "builtin"  # training text, as in base_train
 warmup_steps = 3  # untimed optimizer steps first (compilation, allocator, lazy optimizer state)
@@ -153,6 +155,7 @@ class Setup:
             self.optimizers = model.setup_optimizers()
         if cfg["adamw"]:
             self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
+        model.activation_checkpointing = cfg["activation_checkpointing"]
         self.orig_model = model
         self.model = torch.compile(model, dynamic=False) if cfg["compile"] else model
         self.num_params, self.flops_per_token = model.num_params(), model.estimate_flops()
@@ -206,7 +209,7 @@ class Setup:
             return None, "not measured (--memory_estimate=False)"
         from nanotrain.auto_batch_size import gpt_builder, measure_fake_peak
 
-        build = gpt_builder(self.model_config)
+        build = gpt_builder(self.model_config, activation_checkpointing=self.cfg["activation_checkpointing"])
         state = torch.get_rng_state()
         peak = measure_fake_peak(build, self.cfg["device_batch_size"], max_seq_len=self.cfg["max_seq_len"],
                                  vocab_size=self.model_config.vocab_size, device=self.device,
@@ -256,7 +259,8 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
     c = s.model_config
     return {
         "config": dict({k: s.cfg[k] for k in ("depth", "max_seq_len", "device_batch_size", "total_batch_size",
-                                              "dtype", "compile", "threads", "adamw", "ns_dtype", "data")},
+                                              "dtype", "compile", "activation_checkpointing", "threads", "adamw",
+                                              "ns_dtype", "data")},
                        prefetch=s.loader.prefetch),
         "dtype": s.amp, "grad_accum_steps": s.grad_accum_steps,
         "model": {"n_layer": c.n_layer, "model_dim": c.model_dim, "n_head": c.n_head, "vocab_size": c.vocab_size,

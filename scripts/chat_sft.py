@@ -94,6 +94,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
 compile = False  # torch.compile the model (packed rows vary in length, so it recompiles often: off by default)
+activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
 config = configure(globals(), none_types={"max_tokens_per_device": (int,), "device_memory_gb": (float,),
                                           "max_batch_size": (int,)})
 # -----------------------------------------------------------------------------
@@ -150,7 +151,7 @@ class PackedRows(torch.nn.Module):
         return self.model(x.reshape(1, B * T), y.reshape(1, B * T), doc_ids=doc_ids)
 
 
-def sft_builder(model_config, packing, **optimizer_kwargs):
+def sft_builder(model_config, packing, activation_checkpointing=False, **optimizer_kwargs):
     """build_model(device) -> (PackedRows(GPT), [adamw, muon]) for nanotrain.auto_batch_size (see gpt_builder)."""
     from nanotrain.gpt import GPT
 
@@ -158,8 +159,10 @@ def sft_builder(model_config, packing, **optimizer_kwargs):
         with torch.device(device):
             model = GPT(model_config)
         model.init_weights()
+        model.activation_checkpointing = bool(activation_checkpointing)
         return PackedRows(model, packing), model.setup_optimizers(**optimizer_kwargs)
     build_model.key_fields = {"gpt_config": dict(vars(model_config)), "packing": packing,
+                              "activation_checkpointing": bool(activation_checkpointing),
                               "optimizer_kwargs": dict(optimizer_kwargs)}
     return build_model
 
@@ -231,7 +234,7 @@ def main():
     model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=T))
     ab_record = None
     if max_tokens_per_device is None:
-        build = sft_builder(model_config, packing, matrix_lr=matrix_lr * init_lr_frac,
+        build = sft_builder(model_config, packing, activation_checkpointing, matrix_lr=matrix_lr * init_lr_frac,
                             embedding_lr=embedding_lr * init_lr_frac, unembedding_lr=unembedding_lr * init_lr_frac,
                             weight_decay=weight_decay)
         rows, ab_record = discover_device_batch_size(
@@ -275,6 +278,7 @@ def main():
     model.to_empty(device=device)
     model.init_weights()
     model.load_state_dict(start["model"])
+    model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()

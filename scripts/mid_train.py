@@ -87,6 +87,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
+activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
 config = configure(globals(), none_types={"device_memory_gb": (float,), "max_batch_size": (int,),
                                           "compile": (bool,)})
 # -----------------------------------------------------------------------------
@@ -151,8 +152,8 @@ def main():
             print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
     elif auto_batch_size:
         B, ab_record = discover_device_batch_size(
-            gpt_builder(model_config, **lrs), max_seq_len=T, vocab_size=model_config.vocab_size,
-            total_batch_size=total, world_size=world_size, device=device,
+            gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **lrs), max_seq_len=T,
+            vocab_size=model_config.vocab_size, total_batch_size=total, world_size=world_size, device=device,
             amp_dtype=torch.bfloat16 if amp == "bfloat16" else None, compile=use_compile, margin=batch_size_margin,
             device_memory_gb=device_memory_gb, max_batch_size=max_batch_size, use_cache=batch_size_cache,
             key_fields={})
@@ -189,6 +190,7 @@ def main():
     model.init_weights()
     model.load_state_dict(source["model"])
     del base
+    model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
