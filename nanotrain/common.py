@@ -6,6 +6,7 @@ rank-0 printing, seeding, the base directory for data and checkpoints, clean one
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -146,6 +147,20 @@ def git_commit():
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except Exception:
         return "unknown"
+
+
+def check_compile_toolchain(device):
+    """
+    torch.compile's inductor backend generates and builds C++ on CPU: raises UserError naming --compile when no C++
+    compiler ($CXX, g++, c++ or clang++) is on the PATH, instead of a long inductor traceback at the first step.
+    A no-op on other devices.
+    """
+    if torch.device(device).type != "cpu":
+        return
+    candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if not any(c and shutil.which(c) for c in candidates):
+        raise UserError("--compile=True on CPU needs a C++ compiler (g++ or clang++, or $CXX) for torch.compile; "
+                        "install one or pass --compile=False")
 
 
 def synchronize(device):

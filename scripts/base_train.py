@@ -20,6 +20,7 @@ from nanotrain.checkpoint import get_run_dir, load_latest, load_optimizers, rng_
 from nanotrain.common import (
     UserError,
     atomic_write_json,
+    check_compile_toolchain,
     compute_cleanup,
     compute_init,
     die,
@@ -120,6 +121,8 @@ def main():
     signals = StopSignals()
     amp, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
     use_compile = (device.type == "cuda") if compile is None else compile
+    if use_compile:
+        check_compile_toolchain(device)
     use_fsdp = fsdp and world_size > 1
     if fsdp and not use_fsdp:
         print0("--fsdp=True with one process: nothing to shard, training without FSDP")

@@ -31,6 +31,7 @@ from nanotrain.checkpoint import find_run_dir, get_run_dir, load_latest, rng_sta
 from nanotrain.common import (
     UserError,
     atomic_write_json,
+    check_compile_toolchain,
     compute_cleanup,
     compute_init,
     die,
@@ -187,6 +188,8 @@ def main():
     signals = StopSignals()
     amp, autocast_ctx = precision(dtype, device)
     use_compile = compile
+    if use_compile:
+        check_compile_toolchain(device)
     tokenizer = get_tokenizer()
     if long_conversations not in LONG_POLICIES:
         raise UserError(f"--long_conversations={long_conversations!r}: expected one of {', '.join(LONG_POLICIES)}")

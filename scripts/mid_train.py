@@ -25,6 +25,7 @@ from nanotrain.checkpoint import find_run_dir, get_run_dir, load_latest, rng_sta
 from nanotrain.common import (
     UserError,
     atomic_write_json,
+    check_compile_toolchain,
     compute_cleanup,
     compute_init,
     die,
@@ -119,6 +120,8 @@ def main():
     signals = StopSignals()
     amp, autocast_ctx = precision(dtype, device)
     use_compile = (device.type == "cuda") if compile is None else compile
+    if use_compile:
+        check_compile_toolchain(device)
     tokenizer = get_tokenizer()
     token_bytes = get_token_bytes(device)
 
