@@ -241,11 +241,16 @@ class GPT(nn.Module):
         self.config = config
         self.activation_checkpointing = False
         self.head_dim = c.model_dim // c.n_head
-        self.wte = nn.Embedding(c.vocab_size, c.model_dim)
+        # on the meta device nn.Embedding's own init would import torch._dynamo (1.5 s of start-up) for nothing:
+        # hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
+        w = torch.empty(c.vocab_size, c.model_dim)
+        self.wte = nn.Embedding(c.vocab_size, c.model_dim, _weight=w) if w.is_meta else nn.Embedding(c.vocab_size,
+                                                                                                      c.model_dim)
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.n_layer)])
         self.lm_head = nn.Linear(c.model_dim, c.vocab_size, bias=False)
         self.rotary_len = 10 * c.max_seq_len  # so generation can run past max_seq_len
-        cos, sin = self._rotary(device=self.wte.weight.device)
+        # computed on the CPU and moved: rotary maths on the meta device would also import torch._dynamo
+        cos, sin = (t.to(self.wte.weight.device) for t in self._rotary(device=torch.device("cpu")))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -229,10 +229,20 @@ class StopSignals:
         print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", flush=True)
 
 
+def _json_or_none(line):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 class MetricsLog:
     """
     metrics.jsonl in the run directory, one JSON object per line, written by rank 0. A fresh run starts it empty; a
-    resumed run keeps the rows up to the step it resumes from (the later ones will be logged again).
+    resumed run keeps the rows before the step it resumes from and that step's training row (rows with "dt"); the
+    evaluation rows of that step and everything later are dropped, because the resumed run evaluates at its first
+    step again (the saving run may or may not have: a regular save comes before the evaluation, a stop request
+    saves and leaves before it), so every evaluation appears exactly once.
     """
 
     def __init__(self, run_dir, resume_step=None, master=True):
@@ -245,7 +255,9 @@ class MetricsLog:
                 os.remove(self.path)
         elif os.path.exists(self.path):
             with open(self.path) as f:
-                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= resume_step]
+                rows = [(ln, _json_or_none(ln)) for ln in f if ln.strip()]
+            rows = [(ln, r) for ln, r in rows if r is not None]  # a torn line of a killed run
+            keep = [ln for ln, r in rows if r["step"] < resume_step or (r["step"] == resume_step and "dt" in r)]
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(keep)
             os.replace(self.path + ".tmp", self.path)

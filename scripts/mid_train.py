@@ -262,14 +262,14 @@ def main():
     stop = False
     while True:
         last_step = step == total_steps or stop
-        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]  # the run that saved it evaluated here
+        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]  # its checkpoint exists already
         if step > 0 and (last_step or (save_every > 0 and step % save_every == 0)) and not (
                 resumed_here and not last_step):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True --run_name={run_name_}")
             break
-        if last_step or (eval_every > 0 and step % eval_every == 0 and not resumed_here):
+        if last_step or (eval_every > 0 and step % eval_every == 0):  # also at the resume step (see MetricsLog)
             t0 = time.time()
             val_bpb = evaluate_bpb(model, val_batches(), eval_steps, token_bytes, autocast_ctx)
             print0(f"step {step:05d}/{total_steps:05d} | val bpb {val_bpb:.4f} | eval {time.time() - t0:.1f}s")

@@ -88,10 +88,10 @@ def test_metrics_log_resume_drops_later_rows(tmp_path):
     """A resumed run keeps the rows up to its step and drops the later ones (they are logged again)."""
     log = MetricsLog(str(tmp_path))
     for s in range(1, 6):
-        log.log(step=s, loss=float(s))
+        log.log(step=s, loss=float(s), dt=0.1)
     log.close()
     log = MetricsLog(str(tmp_path), resume_step=3)
-    log.log(step=4, loss=40.0)
+    log.log(step=4, loss=40.0, dt=0.1)
     log.close()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
@@ -156,3 +156,22 @@ def test_step_down_propagates_other_errors():
     x = torch.zeros(4, 16, dtype=torch.long)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         forward_backward_or_step_down(Broken(), x, x, 2, [1, 2, 4], nullcontext(), log=lambda *a: None)
+
+
+@pytest.mark.unit
+def test_metrics_log_resume_keeps_each_evaluation_once(tmp_path):
+    """
+    Resuming at step k keeps the rows before k and step k's training row, and drops step k's evaluation and every
+    later row (the resumed run evaluates at k again), so each evaluation appears once whether the saving run
+    evaluated at k (a regular save) or not (a stop request). A torn last line is skipped. Catches: keeping rows
+    `<= k` (a duplicate val row after a resume at an eval step) or skipping the eval at k (a missing one).
+    """
+    rows = [{"step": 0, "val_bpb": 3.0}, {"step": 1, "loss": 5.0, "dt": 0.1}, {"step": 2, "loss": 4.0, "dt": 0.1},
+            {"step": 2, "val_bpb": 2.5}, {"step": 3, "loss": 3.0, "dt": 0.1}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    log = MetricsLog(str(tmp_path), resume_step=2)
+    log.log(step=2, val_bpb=2.5)  # what the resumed run does first
+    log.close()
+    got = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert got == rows[:4]
