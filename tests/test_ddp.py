@@ -56,6 +56,9 @@ def worker(rank, port, out_dir, wrong):
     ddp.register_comm_hook(None, counting_hook)
     x, y = data(0)
     mine = slice(rank * 4, rank * 4 + 4)  # each rank gets half of the rows, in 2 micro-batches of 2
+    forward_backward(model, x[mine], y[mine], 2, nullcontext())  # no DDP: this rank's own gradient, not synced
+    local_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+    model.zero_grad(set_to_none=True)
     if wrong:  # counter-example: the wrong step syncs on every micro-step and never divides by the accumulation
         for i in range(2):
             ddp(x[mine][2 * i:2 * i + 2], y[mine][2 * i:2 * i + 2]).backward()
@@ -68,7 +71,8 @@ def worker(rank, port, out_dir, wrong):
     if not wrong:
         result["loss"], _ = global_mean_and_flag(loss, False, torch.device("cpu"))
         opts = model.setup_optimizers()
-        optimizer_step(model, opts, 1.0, 0.95, 1.0)
+        result["grad_norm"] = optimizer_step(model, opts, 1.0, 0.95, 0.05).item()  # clipping active (norm > 0.05)
+        result["local_norm"] = local_norm
         for step in range(1, 5):
             x, y = data(step)
             forward_backward(ddp, x[mine], y[mine], 2, nullcontext())
@@ -90,7 +94,9 @@ def test_ddp_two_ranks_equals_full_batch(tmp_path):
     2 ranks x accumulation 2 give the gradient of one process on the full batch (1e-6 relative), with exactly one
     all-reduce per bucket per optimizer step, the same global-mean loss on both ranks, and bitwise-equal parameters
     after 5 steps. The wrong variant (sync every micro-step, no division by the accumulation) is run too: it
-    all-reduces twice and its gradient is off by 2x.
+    all-reduces twice and its gradient is off by 2x. Gradient clipping uses the global norm: the norm optimizer_step
+    clips with equals the full batch's on both ranks (1e-6); the wrong variant, clipping by each rank's own gradient
+    norm before the sync (nanochat's old bug), is computed too and differs.
     """
     res = run(tmp_path)
     model = make_model()
@@ -103,6 +109,11 @@ def test_ddp_two_ranks_equals_full_batch(tmp_path):
         assert r["syncs"] == 1
         assert abs(r["loss"] - ref_loss.item()) < 1e-6
     assert res[0]["loss"] == res[1]["loss"]
+    ref_norm = ref.norm().item()
+    assert ref_norm > 0.05  # so the clip at 0.05 is active
+    for r in res:
+        assert abs(r["grad_norm"] - ref_norm) / ref_norm < 1e-6
+        assert abs(r["local_norm"] - ref_norm) / ref_norm > 1e-2  # per-rank clipping would use a different norm
     assert torch.equal(res[0]["params"], res[1]["params"]) and res[0]["checksum"] == res[1]["checksum"]
     bad = run(tmp_path, wrong=True)
     assert bad[0]["syncs"] == 2
