@@ -25,7 +25,6 @@ odd ones (drift cancels); "vs.ratios" is tokens/s of B / tokens/s of A per round
 """
 
 import contextlib
-import functools
 import json
 import os
 import platform
@@ -55,7 +54,7 @@ steps = 10  # timed optimizer steps (without --vs)
 threads = 0  # torch intra-op threads; 0 keeps torch's default
 prefetch = -1  # batches the loader's thread makes ahead; 0: off; -1: the loader's default (1 on CUDA, else 0)
 adamw = ""  # AdamW implementation: "" as setup_optimizers (fused on CUDA, foreach elsewhere) | foreach | fused | for
-ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (bf16 on CUDA, fp32 elsewhere) | float32 | bfloat16
+ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (nanotrain.muon.ns_dtype_for) | float32 | bfloat16
 memory_estimate = True  # on CPU also run the MemTracker estimate of the step's peak memory (a few seconds)
 loader_seconds = 1.0  # how long to time the token loader alone
 tokenizer_chars = 1_000_000  # characters of documents for the tokenizer's encode throughput
@@ -129,12 +128,11 @@ def rebuild_adamw(opt, kind):
 class Setup:
     """
     One configuration ready to step: base_train's model, optimizers and TokenLoader. step() runs one timed optimizer
-    step and returns its wall time in seconds; activate() applies the process-wide knobs (threads, Newton-Schulz
-    dtype) before this configuration's steps.
+    step and returns its wall time in seconds; activate() applies the process-wide knob (the thread count) before
+    this configuration's steps.
     """
 
     def __init__(self, cfg, tokenizer, train_files, device):
-        import nanotrain.muon
         from nanotrain.dataloader import TokenLoader
         from nanotrain.gpt import GPT, config_from_depth
         from nanotrain.training import precision
@@ -144,7 +142,6 @@ class Setup:
         self.model_config = config_from_depth(cfg["depth"], tokenizer.get_vocab_size(), cfg["max_seq_len"])
         self.grad_accum_steps = cfg["total_batch_size"] // (cfg["device_batch_size"] * cfg["max_seq_len"])
         self.default_threads = torch.get_num_threads()
-        self.ns_default = nanotrain.muon.zeropower_via_newtonschulz5
         self.activate()
         seed_everything(cfg["seed"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
@@ -152,7 +149,7 @@ class Setup:
                 model = GPT(self.model_config)
             model.to_empty(device=device)
             model.init_weights()
-            self.optimizers = model.setup_optimizers()
+            self.optimizers = model.setup_optimizers(ns_dtype=cfg["ns_dtype"])
         if cfg["adamw"]:
             self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
         model.activation_checkpointing = cfg["activation_checkpointing"]
@@ -165,11 +162,7 @@ class Setup:
         self.step_count = 0
 
     def activate(self):
-        import nanotrain.muon
         torch.set_num_threads(self.cfg["threads"] or self.default_threads)
-        ns = self.cfg["ns_dtype"]
-        nanotrain.muon.zeropower_via_newtonschulz5 = (
-            functools.partial(self.ns_default, dtype=DTYPES[ns]) if ns else self.ns_default)
 
     def step(self):
         """One optimizer step exactly as base_train's loop runs it (loader, micro-steps, loss sync, update)."""
@@ -251,6 +244,8 @@ def measure_peaks(device, amps, peaks):
 
 def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta):
     """The result object of one configuration (see the module docstring)."""
+    from nanotrain.muon import ns_dtype_for
+
     st = time_stats(times)
     tokens_per_sec = s.cfg["total_batch_size"] / st["median"]
     achieved = s.flops_per_token * tokens_per_sec
@@ -263,6 +258,7 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
                                               "ns_dtype", "data")},
                        prefetch=s.loader.prefetch),
         "dtype": s.amp, "grad_accum_steps": s.grad_accum_steps,
+        "ns_dtype": s.cfg["ns_dtype"] or str(ns_dtype_for(s.device)).replace("torch.", ""),
         "model": {"n_layer": c.n_layer, "model_dim": c.model_dim, "n_head": c.n_head, "vocab_size": c.vocab_size,
                   "num_params": s.num_params},
         "tokens_per_step": s.cfg["total_batch_size"],

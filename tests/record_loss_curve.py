@@ -6,7 +6,8 @@ Records the reference loss curve that tests/test_convergence.py compares against
 Re-record only on purpose, when a change is meant to alter the numerics (model, init, optimizer, schedule), and say
 so in the commit message. The curve is 50 optimizer steps of a tiny GPT (2 layers, model_dim 64, vocab 128, 32 tokens
 per row, 8 rows per step in 2 micro-batches) trained with nanotrain's own pieces (GPT init on the meta device as in
-base_train, setup_optimizers, forward_backward, lr_multiplier, muon_momentum, optimizer_step), fp32 on one CPU thread.
+base_train, setup_optimizers, forward_backward, lr_multiplier, muon_momentum, optimizer_step), fp32 on one CPU thread, Muon's
+Newton-Schulz pinned to fp32 (its default picks bf16 on CPUs with fast bf16 matmuls, which would change the curve).
 The data is a fixed bigram chain generated with Python's random module, so it depends on neither torch's RNG nor the
 tokenizer or the corpus.
 """
@@ -64,7 +65,7 @@ def train_curve(seed=SETTINGS["seed"], steps=SETTINGS["steps"], lrm_fn=lr_multip
             model = GPT(GPTConfig(**CONFIG))
         model.to_empty(device="cpu")
         model.init_weights()
-        optimizers = model.setup_optimizers()
+        optimizers = model.setup_optimizers(ns_dtype="float32")  # not chosen per CPU: the curve is machine-independent
         losses = []
         for step in range(steps):
             rows = bigram_rows(step, s["rows"], CONFIG["max_seq_len"] + 1, CONFIG["vocab_size"], s["data_seed"])

@@ -72,12 +72,12 @@ def same(a, b):
     return a == b
 
 
-def local_only(update, steps=5):
+def local_only(update, steps=5, dtype=None):
     """The wrong variant: Newton-Schulz on this rank's rows of the update only, without gathering the matrix."""
     from torch.distributed.tensor import DTensor
 
     from nanotrain.muon import zeropower_via_newtonschulz5
-    return DTensor.from_local(zeropower_via_newtonschulz5(update.to_local(), steps), update.device_mesh,
+    return DTensor.from_local(zeropower_via_newtonschulz5(update.to_local(), steps, dtype), update.device_mesh,
                               update.placements, shape=update.shape, stride=update.stride())
 
 

@@ -20,7 +20,7 @@ def test_newtonschulz_orthogonalises(shape):
     normalisation (blow-up) and a transpose bug (wrong shape or mixed-up singular vectors).
     """
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-    X = zeropower_via_newtonschulz5(G)
+    X = zeropower_via_newtonschulz5(G, dtype=torch.float32)  # the default is per CPU (ns_dtype_for)
     assert X.shape == G.shape and X.dtype == torch.float32
     U, S, Vh = torch.linalg.svd(G, full_matrices=False)
     sv = torch.linalg.svdvals(X)
@@ -29,7 +29,7 @@ def test_newtonschulz_orthogonalises(shape):
     off = D - torch.diag(torch.diagonal(D))
     assert off.abs().max() < 1e-3
     # scale invariance (only the direction of G matters)
-    torch.testing.assert_close(zeropower_via_newtonschulz5(1000 * G), X, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(zeropower_via_newtonschulz5(1000 * G, dtype=torch.float32), X, atol=1e-4, rtol=1e-4)
     assert zeropower_via_newtonschulz5(G, dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
@@ -116,3 +116,49 @@ def test_tiny_model_trains():
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
     assert any(b.attn.c_proj.weight.abs().sum() > 0 for b in model.blocks)
+
+
+@pytest.mark.unit
+def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
+    """
+    Muon's Newton-Schulz dtype: "" picks bf16 on a CPU only where bf16 matmuls measure >= 2x fp32, else fp32; an
+    explicit ns_dtype wins; the choice is made on real tensors even when first asked inside FakeTensorMode (a memory
+    probe of nanotrain.auto_batch_size). Wrong variants caught: a fixed choice that ignores the measurement (both
+    outcomes are forced here through the measurement), or a measurement of fake tensors (its result would not be
+    the real one).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import nanotrain.muon as muon
+
+    for bf16_speed, expected in ((4.5, torch.bfloat16), (1.5, torch.float32), (0.25, torch.float32)):
+        monkeypatch.setattr(muon, "_NS_DTYPE", {})
+        monkeypatch.setattr(muon, "measure_matmul_flops",
+                            lambda dtype, n, s, f=bf16_speed: 1e11 * (f if dtype == torch.bfloat16 else 1.0))
+        assert muon.ns_dtype_for(torch.device("cpu")) == expected
+    monkeypatch.undo()
+    monkeypatch.setattr(muon, "_NS_DTYPE", {})
+    seen = []
+    real = muon.measure_matmul_flops
+
+    def spy(dtype, n, s):
+        seen.append(type(torch.empty(1)))
+        return real(dtype, n, s)
+    monkeypatch.setattr(muon, "measure_matmul_flops", spy)
+    with FakeTensorMode():
+        muon.ns_dtype_for(torch.device("cpu"))
+    assert seen and all(t is torch.Tensor for t in seen)
+
+    g, w = torch.randn(8, 16), torch.randn(8, 16)
+    results = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        q = torch.nn.Parameter(w.clone())
+        q.grad = g.clone()
+        Muon([q], lr=0.1, momentum=0.95, ns_dtype=name).step()
+        u = g.lerp(0.05 * g, 0.95)  # first step: buffer = 0.05 g, Nesterov look-ahead
+        expected = w - 0.1 * zeropower_via_newtonschulz5(u, dtype=dtype).float()
+        torch.testing.assert_close(q.detach(), expected, atol=1e-6, rtol=0)
+        results[name] = q.detach()
+    assert not torch.equal(results["float32"], results["bfloat16"])  # the setting reaches the computation
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon([torch.nn.Parameter(w.clone())], ns_dtype="float16")
