@@ -220,7 +220,7 @@ def test_setup_optimizers(capsys):
     lrs = sorted(g["lr"] for g in adamw.param_groups)
     assert lrs == pytest.approx(sorted([0.2 * scale, 0.004 * scale]))
     assert adamw.defaults["betas"] == (0.8, 0.95) and adamw.defaults["eps"] == 1e-10
-    assert not adamw.defaults["fused"] and adamw.defaults["foreach"]
+    assert not adamw.defaults["fused"]  # fused on CUDA only; torch's default implementation on CPU
     ids = [id(p) for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())
     for opt in (adamw, muon):
