@@ -14,6 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
+# CUDA caching allocator: expandable segments (grow a segment instead of allocating a new one) cut fragmentation when
+# shapes vary (eval vs train, packed SFT rows, the auto batch size probes). Read when CUDA's allocator starts, so it is
+# set here, at import, before any script touches CUDA; a value the user set in either variable wins. Harmless on CPU.
+if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
 
 class UserError(Exception):
     """Bad input from the user (a flag, a file, a setting). Scripts print it as one line and exit non-zero."""
