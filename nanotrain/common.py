@@ -110,6 +110,8 @@ def compute_init(device_type=""):
             # one process per core group: split the cores among the local ranks
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+            from nanotrain.muon import ns_dtype_for  # (muon imports this module)
+            ns_dtype_for(device)  # collective: every rank agrees on Muon's Newton-Schulz dtype now, not mid-step
         dist.barrier()
     else:
         device = torch.device(device_type)

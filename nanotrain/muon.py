@@ -12,6 +12,7 @@ sharded on dim 0: Newton-Schulz needs the whole matrix, so each update is all-ga
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
 from nanotrain.common import measure_matmul_flops
@@ -64,7 +65,10 @@ def ns_dtype_for(device):
     nanochat). On CPU it depends on the CPU: bf16 only if a (512, 512) bf16 matmul measures at least 2x the fp32
     throughput (CPUs with AVX512-BF16 or AMX: 4.5x on this project's 2-core AMD EPYC), else fp32 (CPUs that emulate
     bf16 run it ~4x slower than fp32). The 2x bar keeps the choice stable under timing noise. Measured once per process
-    and device type (~0.1 s), with any dispatch mode (FakeTensorMode, MemTracker) switched off. Returns a torch.dtype.
+    and device type (~0.1 s), with any dispatch mode (FakeTensorMode, MemTracker) switched off. Under torch.distributed
+    on CPU the ranks agree (one all-reduce MIN: fp32 unless every rank measured fast bf16), so DDP replicas run the
+    same numerics; the first call is then collective, which is why nanotrain.common.compute_init makes it on every
+    rank right after the process group starts. Returns a torch.dtype.
     """
     kind = torch.device(device).type
     if kind not in _NS_DTYPE:
@@ -74,7 +78,10 @@ def ns_dtype_for(device):
             with _disable_current_modes():  # real tensors even when first asked inside a fake-tensor memory probe
                 fp32 = measure_matmul_flops(torch.float32, 512, 0.05)
                 bf16 = measure_matmul_flops(torch.bfloat16, 512, 0.05)
-            _NS_DTYPE[kind] = torch.bfloat16 if bf16 >= 2 * fp32 else torch.float32
+                fast = torch.tensor(float(bf16 >= 2 * fp32))
+                if dist.is_available() and dist.is_initialized():  # replicas must run the same numerics
+                    dist.all_reduce(fast, op=dist.ReduceOp.MIN)
+            _NS_DTYPE[kind] = torch.bfloat16 if fast.item() > 0 else torch.float32
         else:
             _NS_DTYPE[kind] = torch.float32
     return _NS_DTYPE[kind]
