@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU recipe: build the builtin corpus (offline), train a tokenizer, pretrain a small GPT, evaluate it (val bpb),
 # sample from it, then mid-train and SFT it into a tiny chat model, evaluate that on the built-in tasks and ask it a
-# question. About 20 minutes on 2 cores. Outputs go to $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
+# question, and write the report card. About 11 minutes on 2 cores (torch 2.13 CPU). Outputs go to
+# $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
 #   bash runs/cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
