@@ -303,8 +303,11 @@ class GPT(nn.Module):
         (unembedding_lr * s) and wte (embedding_lr * s) with s = (model_dim/768)**-0.5,
         Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device, see
         nanotrain.muon.ns_dtype_for) for all block matrices. Every param group gets "initial_lr" = its lr.
-        Plain single-process optimizers: under DDP the gradients are averaged before step().
+        Plain single-process optimizers: under DDP the gradients are averaged before step(). Raises UserError for an
+        unknown ns_dtype.
         """
+        if ns_dtype not in ("", "float32", "bfloat16"):
+            raise UserError(f"--ns_dtype={ns_dtype!r}: expected 'float32', 'bfloat16' or '' (chosen per device)")
         matrix_params = list(self.blocks.parameters())
         groups = [([self.lm_head.weight], unembedding_lr), ([self.wte.weight], embedding_lr)]
         all_ids = [id(p) for p in matrix_params] + [id(p) for ps, _ in groups for p in ps]

@@ -81,7 +81,8 @@ def ns_dtype_for(device):
                 fast = torch.tensor(float(bf16 >= 2 * fp32))
                 if dist.is_available() and dist.is_initialized():  # replicas must run the same numerics
                     dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-            _NS_DTYPE[kind] = torch.bfloat16 if fast.item() > 0 else torch.float32
+                fast = fast.item() > 0  # read here too: under a fake mode .item() of a real tensor is refused
+            _NS_DTYPE[kind] = torch.bfloat16 if fast else torch.float32
         else:
             _NS_DTYPE[kind] = torch.float32
     return _NS_DTYPE[kind]
@@ -133,6 +134,14 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim != 2:
                     raise ValueError(f"Muon only handles 2-D parameters, got shape {tuple(p.shape)}")
 
+    def load_state_dict(self, state_dict):
+        """The standard load, except that each group keeps this run's ns_dtype (a setting, not state: a resumed run
+        uses the dtype it was started with now, and states saved before the setting existed load too)."""
+        ns = [group["ns_dtype"] for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, value in zip(self.param_groups, ns):
+            group["ns_dtype"] = value
+
     @torch.no_grad()
     def step(self, closure=None):
         """One Muon update of every parameter that has a gradient. Returns closure() if given, else None."""
@@ -142,7 +151,7 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
-            ns_dtype = NS_DTYPES.get(group.get("ns_dtype") or "")  # None: chosen per device (older states lack it)
+            ns_dtype = NS_DTYPES.get(group["ns_dtype"])  # None ("" setting): chosen per device
             for p in group["params"]:
                 if p.grad is None:
                     continue

@@ -72,6 +72,7 @@ matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
 embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
 unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
 weight_decay = 0.0  # AdamW weight decay
+ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
 grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
 warmup_ratio = 0.0  # fraction of the steps with a linear lr warmup
 warmdown_ratio = 0.2  # fraction of the steps at the end with a linear lr decay to final_lr_frac
@@ -145,7 +146,8 @@ def main():
             print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
     elif auto_batch_size:
         build = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, matrix_lr=matrix_lr,
-                            embedding_lr=embedding_lr, unembedding_lr=unembedding_lr, weight_decay=weight_decay)
+                            embedding_lr=embedding_lr, unembedding_lr=unembedding_lr, weight_decay=weight_decay,
+                            ns_dtype=ns_dtype)
         device_batch_size, ab_record = discover_device_batch_size(
             build, max_seq_len=max_seq_len, vocab_size=vocab_size, total_batch_size=total_batch_size,
             world_size=world_size, device=device, amp_dtype=torch.bfloat16 if amp == "bfloat16" else None,
@@ -196,7 +198,7 @@ def main():
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(matrix_lr=matrix_lr, embedding_lr=embedding_lr,
-                                        unembedding_lr=unembedding_lr, weight_decay=weight_decay)
+                                        unembedding_lr=unembedding_lr, weight_decay=weight_decay, ns_dtype=ns_dtype)
     if ckpt is not None:
         load_optimizers(model, optimizers, ckpt["optim"])
     if use_compile:

@@ -83,6 +83,7 @@ matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
 embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
 unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
 weight_decay = 0.0  # AdamW weight decay
+ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
 grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
 warmdown_ratio = 1.0  # fraction of the steps at the end with a linear lr decay to 0 (1.0: the whole run)
 # evaluation, checkpoints (-1 turns each off, except at the end of the run)
@@ -239,7 +240,7 @@ def main():
     if max_tokens_per_device is None:
         build = sft_builder(model_config, packing, activation_checkpointing, matrix_lr=matrix_lr * init_lr_frac,
                             embedding_lr=embedding_lr * init_lr_frac, unembedding_lr=unembedding_lr * init_lr_frac,
-                            weight_decay=weight_decay)
+                            weight_decay=weight_decay, ns_dtype=ns_dtype)
         rows, ab_record = discover_device_batch_size(
             build, max_seq_len=T, vocab_size=model_config.vocab_size, total_batch_size=T * world_size * 64,
             world_size=world_size, device=device, amp_dtype=torch.bfloat16 if amp == "bfloat16" else None,
@@ -286,7 +287,8 @@ def main():
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
-                                        unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay)
+                                        unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay,
+                                        ns_dtype=ns_dtype)
     if ckpt is not None:
         for opt, state in zip(optimizers, ckpt["optim"]):
             opt.load_state_dict(state)

@@ -74,6 +74,7 @@ matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
 embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
 unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
 weight_decay = 0.0  # AdamW weight decay
+ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
 grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
 warmup_ratio = 0.0  # fraction of the steps with a linear lr warmup
 warmdown_ratio = 0.2  # fraction of the steps at the end with a linear lr decay to final_lr_frac
@@ -144,8 +145,8 @@ def main():
     T = max_seq_len if max_seq_len > 0 else source["meta"]["max_seq_len"]
     total = total_batch_size if total_batch_size > 0 else source["meta"]["total_batch_size"]
     model_config = GPTConfig(**dict(source["meta"]["model_config"], max_seq_len=T))
-    lrs = dict(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
-               unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay)
+    opt_kwargs = dict(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
+                      unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay, ns_dtype=ns_dtype)
 
     # device batch size: given, discovered (before the model is built, so CUDA probes have the memory), or base's
     ab_record = None
@@ -155,7 +156,7 @@ def main():
             print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
     elif auto_batch_size:
         B, ab_record = discover_device_batch_size(
-            gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **lrs), max_seq_len=T,
+            gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **opt_kwargs), max_seq_len=T,
             vocab_size=model_config.vocab_size, total_batch_size=total, world_size=world_size, device=device,
             amp_dtype=torch.bfloat16 if amp == "bfloat16" else None, compile=use_compile, margin=batch_size_margin,
             device_memory_gb=device_memory_gb, max_batch_size=max_batch_size, use_cache=batch_size_cache,
@@ -197,7 +198,7 @@ def main():
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
-    optimizers = model.setup_optimizers(**lrs)
+    optimizers = model.setup_optimizers(**opt_kwargs)
     if ckpt is not None:
         for opt, state in zip(optimizers, ckpt["optim"]):
             opt.load_state_dict(state)

@@ -42,7 +42,7 @@ def test_update_rule_and_shape_scale():
     gen = torch.Generator().manual_seed(0)
     tall, wide = torch.randn(64, 32, generator=gen), torch.randn(32, 64, generator=gen)
     p_tall, p_wide = torch.nn.Parameter(tall.clone()), torch.nn.Parameter(wide.clone())
-    opt = Muon([p_tall, p_wide], lr=0.1, momentum=0.9)
+    opt = Muon([p_tall, p_wide], lr=0.1, momentum=0.9, ns_dtype="float32")  # fp32: the formula is checked to 1e-5
     grads = [(torch.randn(64, 32, generator=gen), torch.randn(32, 64, generator=gen)) for _ in range(2)]
     bufs = [torch.zeros(64, 32), torch.zeros(32, 64)]
     expected = [tall.clone(), wide.clone()]
@@ -53,7 +53,7 @@ def test_update_rule_and_shape_scale():
         for i, (g, scale) in enumerate(zip(gs, [2**0.5, 1.0])):
             bufs[i] = m * bufs[i] + (1 - m) * g
             u = (1 - m) * g + m * bufs[i]
-            expected[i] -= 0.1 * scale * zeropower_via_newtonschulz5(u)
+            expected[i] -= 0.1 * scale * zeropower_via_newtonschulz5(u, dtype=torch.float32)
         torch.testing.assert_close(p_tall.detach(), expected[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(p_wide.detach(), expected[1], atol=1e-5, rtol=1e-5)
 
@@ -162,3 +162,23 @@ def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
     assert not torch.equal(results["float32"], results["bfloat16"])  # the setting reaches the computation
     with pytest.raises(ValueError, match="ns_dtype"):
         Muon([torch.nn.Parameter(w.clone())], ns_dtype="float16")
+
+
+def test_load_state_dict_keeps_the_runs_ns_dtype():
+    """
+    ns_dtype is a run setting, not optimizer state: loading a state saved with another ns_dtype (or before the
+    setting existed) keeps this optimizer's, while the momentum buffers do load. Catches the plain
+    Optimizer.load_state_dict, which would restore the saved group's ns_dtype over the --ns_dtype flag (or drop it).
+    """
+    w = torch.nn.Parameter(torch.randn(8, 16))
+    w.grad = torch.randn(8, 16)
+    saved = Muon([w], ns_dtype="bfloat16")
+    saved.step()
+    state = copy.deepcopy(saved.state_dict())
+    fresh = Muon([torch.nn.Parameter(w.detach().clone())], ns_dtype="float32")
+    fresh.load_state_dict(state)
+    assert fresh.param_groups[0]["ns_dtype"] == "float32"
+    assert torch.equal(next(iter(fresh.state.values()))["momentum_buffer"], saved.state[w]["momentum_buffer"])
+    del state["param_groups"][0]["ns_dtype"]  # a state saved before the setting existed
+    fresh.load_state_dict(state)
+    assert fresh.param_groups[0]["ns_dtype"] == "float32"

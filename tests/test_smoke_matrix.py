@@ -50,9 +50,11 @@ def cell_args(script, nproc, accum, name):
     ROWS / (nproc * accum), so every cell trains ROWS per step in `accum` micro-batches per rank: base and mid run
     total_batch_size 512 = ROWS * 64 tokens; chat_sft's 8 conversations (truncated to 64 tokens) fit any micro-batch
     under max_tokens_per_device 512, so only device_batch_size splits them. Evaluations at step 0 and STEPS only.
+    Muon's Newton-Schulz runs in fp32 (its default is bf16 on CPUs with fast bf16 matmuls, where runs that differ by
+    fp32 roundoff in the gradient may round differently to bf16 and drift apart by more than the 1e-5 compared here).
     """
     args = [f"--run_name={name}", f"--device_batch_size={ROWS // (nproc * accum)}", f"--num_iterations={STEPS}",
-            f"--save_every={CUT}", f"--eval_every={STEPS}", "--keep_last=0"]
+            f"--save_every={CUT}", f"--eval_every={STEPS}", "--keep_last=0", "--ns_dtype=float32"]
     if script == "base_train":
         return [*args, "--depth=2", "--max_seq_len=64", "--total_batch_size=512", "--eval_tokens=512",
                 "--sample_every=-1"]
