@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from nanotrain.common import UserError, print0
-from nanotrain.muon import Muon
+from nanotrain.muon import NS_DTYPES, Muon
 
 try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenever it is absent
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -306,7 +306,7 @@ class GPT(nn.Module):
         Plain single-process optimizers: under DDP the gradients are averaged before step(). Raises UserError for an
         unknown ns_dtype.
         """
-        if ns_dtype not in ("", "float32", "bfloat16"):
+        if ns_dtype and ns_dtype not in NS_DTYPES:
             raise UserError(f"--ns_dtype={ns_dtype!r}: expected 'float32', 'bfloat16' or '' (chosen per device)")
         matrix_params = list(self.blocks.parameters())
         groups = [([self.lm_head.weight], unembedding_lr), ([self.wte.weight], embedding_lr)]

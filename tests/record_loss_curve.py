@@ -6,8 +6,9 @@ Records the reference loss curve that tests/test_convergence.py compares against
 Re-record only on purpose, when a change is meant to alter the numerics (model, init, optimizer, schedule), and say
 so in the commit message. The curve is 50 optimizer steps of a tiny GPT (2 layers, model_dim 64, vocab 128, 32 tokens
 per row, 8 rows per step in 2 micro-batches) trained with nanotrain's own pieces (GPT init on the meta device as in
-base_train, setup_optimizers, forward_backward, lr_multiplier, muon_momentum, optimizer_step), fp32 on one CPU thread, Muon's
-Newton-Schulz pinned to fp32 (its default picks bf16 on CPUs with fast bf16 matmuls, which would change the curve).
+base_train, setup_optimizers, forward_backward, lr_multiplier, muon_momentum, optimizer_step), fp32 on one CPU
+thread, Muon's Newton-Schulz pinned to fp32 (its default picks bf16 on CPUs with fast bf16 matmuls, which would change
+the curve).
 The data is a fixed bigram chain generated with Python's random module, so it depends on neither torch's RNG nor the
 tokenizer or the corpus.
 """
