@@ -3,6 +3,7 @@ Runtime helpers shared by every script: device choice, torchrun / torch.distribu
 rank-0 printing, seeding, the base directory for data and checkpoints, clean one-line errors, atomic writes.
 """
 
+import atexit
 import json
 import os
 import random
@@ -26,15 +27,38 @@ class UserError(Exception):
 
 
 def die(msg, code=2):
-    """Print `error: msg` as one line to stderr (rank 0 only under torchrun) and exit with `code`."""
+    """Print `error: msg` as one line to stderr (rank 0 only under torchrun) and exit with `code` (exit_process)."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"error: {msg}", file=sys.stderr, flush=True)
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-    sys.exit(code)
+    exit_process(code)
+
+
+_DIST_STARTED = False  # set by compute_init once this process has started a process group
+
+
+def exit_process(code=0):
+    """
+    Ends the script (or a spawned worker) with exit code `code` (int). In a process that started torch.distributed
+    (compute_init under torchrun, or any process group still up) it tears the process group down (compute_cleanup),
+    runs the atexit handlers, flushes stdout and stderr and leaves with os._exit(code), skipping the interpreter's
+    finalization; otherwise it is sys.exit(code).
+
+    Why: gloo's worker thread (torch 2.13) drops a collective's work object, and with it the tensors the collective
+    used, after the caller has already seen the result. Dropping a tensor that has a Python object takes the GIL, and
+    CPython ends any thread that asks for the GIL once finalization has begun: here in the middle of a C++ destructor,
+    which aborts the whole process (SIGABRT, "terminate called without an active exception"; core dump: gloo runLoop ->
+    ~AsyncBarrierWork -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit). A finished
+    2-rank run then exits with -6 and torchrun reports it failed: one test of a CI run did, and 5 to 9 in 25 to 30
+    launches of a minimal DDP script under CPU load on this machine (tests/test_common.py), 0 in 75 with this exit.
+    The same problem upstream: pytorch/pytorch PR 179291 (closed unmerged).
+    """
+    if not (_DIST_STARTED or (dist.is_available() and dist.is_initialized())):
+        sys.exit(code)
+    compute_cleanup()
+    atexit._run_exitfuncs()  # what normal exit runs before finalization (logging, our prefetch threads, inductor)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def get_base_dir():
@@ -100,6 +124,8 @@ def compute_init(device_type=""):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if is_ddp:
+        global _DIST_STARTED
+        _DIST_STARTED = True  # (set first: a failed init must still exit through exit_process)
         if device_type == "cuda":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)

@@ -10,7 +10,6 @@ metrics.jsonl and checkpoints/. Needs a tokenizer (python scripts/tok_train.py).
 
 import json
 import os
-import sys
 import time
 
 import torch
@@ -24,6 +23,7 @@ from nanotrain.common import (
     compute_cleanup,
     compute_init,
     die,
+    exit_process,
     get_base_dir,
     get_peak_flops,
     print0,
@@ -333,4 +333,4 @@ if __name__ == "__main__":
         die(str(e))
     finally:
         compute_cleanup()
-    sys.exit(0)
+    exit_process(0)  # not sys.exit: see nanotrain.common.exit_process

@@ -36,7 +36,16 @@ import time
 
 import torch
 
-from nanotrain.common import UserError, compute_cleanup, compute_init, die, get_peak_flops, seed_everything, synchronize
+from nanotrain.common import (
+    UserError,
+    compute_cleanup,
+    compute_init,
+    die,
+    exit_process,
+    get_peak_flops,
+    seed_everything,
+    synchronize,
+)
 from nanotrain.configurator import ConfigError, apply_overrides, configure
 
 # ----------------------------------------------------------------------------- settings
@@ -380,4 +389,4 @@ if __name__ == "__main__":
         die(str(e))
     finally:
         compute_cleanup()
-    sys.exit(0)
+    exit_process(0)  # not sys.exit: see nanotrain.common.exit_process

@@ -21,7 +21,6 @@ Outputs go to <base_dir>/sft/<run>/ (config.json, metrics.jsonl, checkpoints/), 
 
 import json
 import os
-import sys
 import time
 
 import torch
@@ -35,6 +34,7 @@ from nanotrain.common import (
     compute_cleanup,
     compute_init,
     die,
+    exit_process,
     get_base_dir,
     get_peak_flops,
     print0,
@@ -408,4 +408,4 @@ if __name__ == "__main__":
         die(str(e))
     finally:
         compute_cleanup()
-    sys.exit(0)
+    exit_process(0)  # not sys.exit: see nanotrain.common.exit_process

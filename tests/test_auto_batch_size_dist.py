@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanotrain.auto_batch_size import GiB, discover_device_batch_size, gpt_builder, measure_fake_peak
+from nanotrain.common import exit_process
 from nanotrain.gpt import GPTConfig
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -71,7 +72,7 @@ def worker(rank, port, out_dir, base_dir, gb_big, gb_small):
     out["after"] = t.item()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
-    dist.destroy_process_group()
+    exit_process(0)  # destroys the group; a plain return can abort at exit (see nanotrain.common.exit_process)
 
 
 def test_ranks_agree_smallest_device_wins_and_failures_do_not_hang(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from nanotrain.common import exit_process
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.training import check_replicas, forward_backward, global_mean_and_flag, optimizer_step
 
@@ -80,7 +81,7 @@ def worker(rank, port, out_dir, wrong):
         result["checksum"] = check_replicas(model)
         result["params"] = torch.cat([p.detach().flatten() for p in model.parameters()])
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    exit_process(0)  # destroys the group; a plain return can abort at exit (see nanotrain.common.exit_process)
 
 
 def run(tmp_path, wrong=False):
@@ -123,7 +124,7 @@ def test_ddp_two_ranks_equals_full_batch(tmp_path):
 def ns_worker(rank, port, out_dir, agree):
     """One rank as torchrun starts it: compute_init on CPU, with rank 1 measuring slow bf16 matmuls."""
     import nanotrain.muon as muon
-    from nanotrain.common import compute_cleanup, compute_init
+    from nanotrain.common import compute_init
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -133,7 +134,7 @@ def ns_worker(rank, port, out_dir, agree):
         muon.dist = type("NoDist", (), {"is_available": staticmethod(lambda: False)})
     compute_init("cpu")
     torch.save({"chosen": muon._NS_DTYPE.get("cpu")}, os.path.join(out_dir, f"ns{rank}.pt"))
-    compute_cleanup()
+    exit_process(0)
 
 
 @pytest.mark.parametrize("agree", [True, False])

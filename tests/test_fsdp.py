@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from conftest import TINY_TRAIN, run_script
 
 from nanotrain.checkpoint import load_checkpoint, load_optimizers, save_checkpoint
+from nanotrain.common import exit_process
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.training import forward_backward, global_mean_and_flag, optimizer_step
 
@@ -169,7 +170,7 @@ def worker(rank, port, out):
     res["uneven_local_rows"] = sharded.to_local().shape[0]
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    exit_process(0)  # destroys the group; a plain return can abort at exit (see nanotrain.common.exit_process)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanotrain.common import exit_process
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.sft_data import backward_step, lpt_pack, micro_batch, pad_conversations
 
@@ -144,23 +145,21 @@ def _dist_worker(rank, world_size, port, out_dir):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        convs = make_convs()[:7]  # 7 conversations, one per rank and micro-batch: rank 1 ends with a dummy
-        model = make_model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        plan = lpt_pack([len(ids) for ids, _ in convs], max_tokens=45, world_size=world_size, max_items=1)
-        batches = [micro_batch([convs[i] for i in mb[rank]], True, pad_id=0) for mb in plan]
-        scaled, count = backward_step(ddp, batches)
-        loss = scaled.clone()
-        dist.all_reduce(loss)
-        out = {"grad": grads(model), "loss": loss.item() / world_size, "count": count, "num_micro": len(batches),
-               "targets": sum(b["targets"] for b in batches), "dummies": sum(not mb[rank] for mb in plan)}
-        model.zero_grad(set_to_none=True)
-        naive_backward(ddp, batches)
-        out["naive_grad"] = grads(model)
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    convs = make_convs()[:7]  # 7 conversations, one per rank and micro-batch: rank 1 ends with a dummy
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    plan = lpt_pack([len(ids) for ids, _ in convs], max_tokens=45, world_size=world_size, max_items=1)
+    batches = [micro_batch([convs[i] for i in mb[rank]], True, pad_id=0) for mb in plan]
+    scaled, count = backward_step(ddp, batches)
+    loss = scaled.clone()
+    dist.all_reduce(loss)
+    out = {"grad": grads(model), "loss": loss.item() / world_size, "count": count, "num_micro": len(batches),
+           "targets": sum(b["targets"] for b in batches), "dummies": sum(not mb[rank] for mb in plan)}
+    model.zero_grad(set_to_none=True)
+    naive_backward(ddp, batches)
+    out["naive_grad"] = grads(model)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    exit_process(0)  # destroys the group; a plain return can abort at exit (see nanotrain.common.exit_process)
 
 
 @pytest.mark.dist
