@@ -50,7 +50,7 @@ import atexit, sys, torch, torch.distributed as dist
 from nanotrain.common import compute_cleanup, compute_init, die, exit_process
 how = sys.argv[1]
 is_ddp, rank, _, world, device = compute_init("cpu")
-atexit.register(lambda: print(f"atexit ran on rank {rank}", flush=True))
+atexit.register(lambda: print(f"atexit ran on rank {rank}"))  # unflushed too: exit_process must flush after atexit
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
 model(torch.randn(4, 16)).sum().backward()
 sums = [torch.zeros(()) for _ in range(world)]
@@ -74,8 +74,9 @@ def _free_port():
 
 
 def _exit_env():
+    """The environment without PYTHONUNBUFFERED (any non-empty value, "0" too, makes stdout unbuffered)."""
     import os
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="0")
+    return {**{k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.dist
