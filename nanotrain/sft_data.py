@@ -8,9 +8,10 @@ render_conversation) to the tensors a training step runs on:
 - lpt_pack: assigns the conversations of an optimizer step to ranks and micro-batches under a token budget,
   longest first, with the same number of micro-batches on every rank.
 - ConversationSampler: the order of the conversations, epoch by epoch, with (epoch, offset) as resumable state.
-- token_loss_scale / global_target_count / evaluate_loss: the loss of a step as a global token mean, whatever the
-  split into micro-batches and ranks (trainers.md 1.6 and 4.3: the 2024 gradient-accumulation bug).
-- ConversationTokenStream: mid-training's rows of max_seq_len + 1 consecutive tokens of concatenated conversations.
+- token_loss_scale / global_target_count / backward_step / evaluate_loss: the loss of a step as a global token
+  mean, whatever the split into micro-batches and ranks (a mean per micro-batch would weight the tokens of short
+  micro-batches more: the gradient-accumulation bug that Hugging Face transformers fixed in 2024).
+Mid-training's token stream of concatenated conversations is nanotrain.dataloader.ConversationTokenStream.
 
 Targets use IGNORE_INDEX = -1 (GPT.forward's ignore index) for every position that is not trained.
 """
@@ -18,6 +19,8 @@ Targets use IGNORE_INDEX = -1 (GPT.forward's ignore index) for every position th
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from nanotrain.common import all_reduce_scalar, is_distributed
 
 IGNORE_INDEX = -1
 LONG_POLICIES = ("truncate", "drop")
@@ -66,8 +69,8 @@ def pack_conversations(convs, device="cpu"):
     Padding-free packing: concatenates the conversations [(ids, mask), ...] into one row of N = sum of lengths.
     Returns (x, y, doc_ids), each int64 (1, N) on `device`: y from conversation_xy per conversation, doc_ids[t] =
     index of t's conversation (for GPT.forward(doc_ids=...): block-diagonal causal attention, positions from 0).
-    Source: padding-free collation as in mini_trainer and HF DataCollatorWithFlattening (trainers.md 1.5), with the
-    boundary label masked (which mini_trainer misses). Raises ValueError for an empty list.
+    Source: padding-free collation as in mini_trainer and HF DataCollatorWithFlattening, with the boundary label
+    masked (which mini_trainer misses). Raises ValueError for an empty list.
     """
     if not convs:
         raise ValueError("pack_conversations: no conversation")
@@ -121,7 +124,7 @@ def lpt_pack(lengths, max_tokens, world_size=1, max_items=0, padded=False):
     Assigns items (conversations) of the given lengths (tokens) to micro-batches and ranks, longest first: the items
     are sorted by decreasing length (ties by index) and each goes to the least-loaded rank of the current micro-batch
     that can still take it; when none can, the micro-batch is closed and the next one opened (LPT scheduling,
-    Graham 1969, as in mini_trainer's batch_lengths_to_minibatches_lpt, trainers.md 1.4).
+    Graham 1969, as in mini_trainer's batch_lengths_to_minibatches_lpt).
     A rank can take an item if its tokens stay <= max_tokens (padded=True: count * longest, the size of the padded
     batch) and, if max_items > 0, it holds fewer than max_items items.
     Returns plan: list over micro-batches of `world_size` lists of item indices (plan[m][r]; an empty list means rank r
@@ -211,18 +214,12 @@ class ConversationSampler:
 
 
 # ----------------------------------------------------------------------------- loss normalisation
-def _distributed():
-    return dist.is_available() and dist.is_initialized()
-
-
 def global_target_count(local_count, device):
-    """The number of trained targets of an optimizer step over all ranks (int): all-reduce SUM of this rank's count
-    over its micro-batches, taken before any backward. Without torch.distributed it is local_count."""
-    if not _distributed():
-        return int(local_count)
-    t = torch.tensor(int(local_count), dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return int(t.item())
+    """The number of trained targets of an optimizer step over all ranks (int): all-reduce SUM (exact, int64) of
+    this rank's count over its micro-batches, taken before any backward. Without torch.distributed it is local_count."""
+    if not is_distributed():
+        return int(local_count)  # no tensor on `device`, so no CUDA sync in a single process
+    return all_reduce_scalar(int(local_count), "sum", device)
 
 
 def token_loss_scale(global_count, world_size=1):
@@ -231,8 +228,8 @@ def token_loss_scale(global_count, world_size=1):
     world_size / global_count, where world_size is the number of ranks whose gradients DDP averages (1 without DDP).
     Summed over micro-batches and averaged over ranks, the gradient is then exactly that of
     (sum of all per-token losses of the step) / global_count, whatever the split into micro-batches and ranks
-    (mini_trainer's scaling, trainers.md 1.6; not the per-micro-batch mean of the 2024 gradient-accumulation bug,
-    trainers.md 4.3). Returns 0.0 when global_count is 0 (the caller skips that step).
+    (mini_trainer's scaling; not the per-micro-batch mean of the gradient-accumulation bug that Hugging Face
+    transformers fixed in 2024). Returns 0.0 when global_count is 0 (the caller skips that step).
     """
     return 0.0 if global_count == 0 else world_size / global_count
 
@@ -293,73 +290,6 @@ def evaluate_loss(model, batches, autocast_ctx=None):
     device = device or torch.device("cpu")
     stats = torch.stack([total if total is not None else torch.zeros((), dtype=torch.float64, device=device),
                          torch.tensor(float(count), dtype=torch.float64, device=device)])
-    if _distributed():
+    if is_distributed():
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
     return (stats[0] / stats[1]).item() if stats[1].item() > 0 else float("nan")
-
-
-# ----------------------------------------------------------------------------- mid-training token stream
-class ConversationTokenStream:
-    """
-    Mid-training rows (nanochat mid_train): the token lists of the conversations (list of list[int], e.g. rendered
-    conversations, every token trained), concatenated in epoch_order and cut into rows of max_seq_len + 1 tokens as
-    in pretraining; next_batch() returns (x, y) int64 (batch_size, max_seq_len) on `device` with y the next tokens.
-    Conversations run across row boundaries and attention is causal over the whole row, like base_train.
-    State: (epoch, offset of the conversation holding the next unseen token in the epoch's order, token index in
-    it), so resume continues at exactly the next unseen token. Loops over epochs forever. Raises ValueError if there
-    are no tokens.
-    """
-
-    def __init__(self, token_lists, batch_size, max_seq_len, device="cpu", seed=0, shuffle=True):
-        self.tokens = [np.asarray(t, dtype=np.int64) for t in token_lists]
-        if sum(len(t) for t in self.tokens) == 0:
-            raise ValueError("ConversationTokenStream: no tokens")
-        self.batch_size, self.max_seq_len = batch_size, max_seq_len
-        self.device, self.seed, self.shuffle = torch.device(device), seed, shuffle
-        self.epoch, self.offset, self.token = 0, 0, 0
-        self._order_epoch, self._order = None, None
-
-    @property
-    def tokens_per_epoch(self):
-        """Total tokens of one pass over the conversations (int)."""
-        return sum(len(t) for t in self.tokens)
-
-    def state_dict(self):
-        """{"epoch", "offset", "token"} (ints) of the next unseen token."""
-        return {"epoch": self.epoch, "offset": self.offset, "token": self.token}
-
-    def load_state_dict(self, state):
-        """Continues from state_dict() of a stream over the same conversations."""
-        self.epoch, self.offset, self.token = int(state["epoch"]), int(state["offset"]), int(state["token"])
-
-    def _take(self, n):
-        parts, got = [], 0
-        while got < n:
-            if self._order_epoch != self.epoch:
-                self._order = epoch_order(len(self.tokens), self.seed, self.epoch, self.shuffle)
-                self._order_epoch = self.epoch
-            if self.offset == len(self._order):
-                self.epoch, self.offset, self.token = self.epoch + 1, 0, 0
-                continue
-            toks = self.tokens[self._order[self.offset]]
-            piece = toks[self.token:self.token + (n - got)]
-            parts.append(piece)
-            got += len(piece)
-            self.token += len(piece)
-            if self.token >= len(toks):
-                self.offset, self.token = self.offset + 1, 0
-        return np.concatenate(parts)
-
-    def next_batch(self, batch_size=None):
-        """The next (x, y), each int64 (batch_size, max_seq_len) on the device; batch_size defaults to the stream's.
-        n rows at once are the same tokens as n calls of one row each."""
-        B, T = batch_size or self.batch_size, self.max_seq_len
-        rows = torch.from_numpy(self._take(B * (T + 1))).view(B, T + 1)
-        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        return x.to(self.device), y.to(self.device)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.next_batch()

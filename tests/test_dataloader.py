@@ -1,10 +1,16 @@
-"""Tests of the pretraining token loader: shapes, determinism, rank disjointness, exact resume, epochs."""
+"""
+Tests of the token loaders (nanotrain/dataloader.py): TokenLoader's shapes, determinism, rank disjointness, exact
+resume, epochs and prefetch; exact resume of the mid-training ConversationTokenStream.
+"""
+
+import gc
+import random
 
 import numpy as np
 import pytest
 import torch
 
-from nanotrain.dataloader import TokenLoader
+from nanotrain.dataloader import ConversationTokenStream, TokenLoader
 from nanotrain.dataset import iter_documents, resolve_data_files
 
 pytestmark = pytest.mark.unit
@@ -172,8 +178,6 @@ def test_abandoned_loader_thread_exits(tiny_tokenizer, files):
     A loader that is dropped (base_train makes a new validation loader per evaluation) is garbage collected and its
     thread ends. Catches: the thread holding a strong reference to the loader (one leaked thread per evaluation).
     """
-    import gc
-
     loader = TokenLoader(tiny_tokenizer, files, 2, 16, "cpu", prefetch=1)
     loader.next_batch()
     loader.next_batch()
@@ -183,3 +187,25 @@ def test_abandoned_loader_thread_exits(tiny_tokenizer, files):
     gc.collect()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_token_stream_resume_exact():
+    """The mid-training stream restored from state_dict() after 3 batches yields exactly the batches of an
+    uninterrupted stream, across an epoch boundary, and every epoch covers all tokens once. Catches a resume at a
+    conversation start (losing the offset inside a conversation) or a restart of the epoch."""
+    g = random.Random(0)
+    convs = [[g.randrange(100) for _ in range(g.randint(3, 30))] for _ in range(12)]
+    total = sum(len(c) for c in convs)
+    a = ConversationTokenStream(convs, batch_size=2, max_seq_len=15, seed=1)
+    assert a.tokens_per_epoch == total
+    straight = [a.next_batch() for _ in range(12)]
+    b = ConversationTokenStream(convs, batch_size=2, max_seq_len=15, seed=1)
+    for _ in range(3):
+        b.next_batch()
+    c = ConversationTokenStream(convs, batch_size=2, max_seq_len=15, seed=1)
+    c.load_state_dict(b.state_dict())
+    for i in range(3, 12):
+        x, y = c.next_batch()
+        assert torch.equal(x, straight[i][0]) and torch.equal(y, straight[i][1])
+    epoch0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in straight])[:total]
+    assert sorted(epoch0.tolist()) == sorted(t for c_ in convs for t in c_)

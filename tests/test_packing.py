@@ -1,7 +1,7 @@
 """
 Packing and ordering of chat data (nanotrain/sft_data.py, GPT.forward(doc_ids=...)): packed rows equal unpacked
-conversations, the LPT packer's invariants, long-conversation policy, and exact resume of the sampler and the
-mid-training token stream. Tiny real GPT in fp32 on CPU.
+conversations, the LPT packer's invariants, long-conversation policy, and exact resume of the sampler.
+Tiny real GPT in fp32 on CPU.
 """
 
 import math
@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
+import nanotrain.gpt as gpt_module
 from nanotrain.gpt import GPT, GPTConfig, segment_info
 from nanotrain.sft_data import (
     IGNORE_INDEX,
     ConversationSampler,
-    ConversationTokenStream,
     conversation_xy,
     fit_conversation,
     lpt_pack,
@@ -212,34 +212,11 @@ def test_sampler_resume_next_unseen(first):
     assert legacy.take(5) == items[10:15]
 
 
-def test_token_stream_resume_exact():
-    """The mid-training stream restored from state_dict() after 3 batches yields exactly the batches of an
-    uninterrupted stream, across an epoch boundary, and every epoch covers all tokens once. Catches a resume at a
-    conversation start (losing the offset inside a conversation) or a restart of the epoch."""
-    g = random.Random(0)
-    convs = [[g.randrange(100) for _ in range(g.randint(3, 30))] for _ in range(12)]
-    total = sum(len(c) for c in convs)
-    a = ConversationTokenStream(convs, batch_size=2, max_seq_len=15, seed=1)
-    assert a.tokens_per_epoch == total
-    straight = [a.next_batch() for _ in range(12)]
-    b = ConversationTokenStream(convs, batch_size=2, max_seq_len=15, seed=1)
-    for _ in range(3):
-        b.next_batch()
-    c = ConversationTokenStream(convs, batch_size=2, max_seq_len=15, seed=1)
-    c.load_state_dict(b.state_dict())
-    for i in range(3, 12):
-        x, y = c.next_batch()
-        assert torch.equal(x, straight[i][0]) and torch.equal(y, straight[i][1])
-    epoch0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in straight])[:total]
-    assert sorted(epoch0.tolist()) == sorted(t for c_ in convs for t in c_)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flash_varlen_matches_sdpa_mask():
     """On CUDA in bf16 with flash-attn installed, the varlen kernel path equals the SDPA block-diagonal mask path
     (loss within 1e-2 relative). Catches wrong cu_seqlens or a (B*T, H, D) layout mix-up."""
-    import nanotrain.gpt as gpt_module
     if gpt_module.flash_attn_varlen_func is None:
         pytest.skip("flash-attn is not installed")
     model = make_model().cuda()
