@@ -10,7 +10,6 @@ untimed warm-up step and `steps` timed optimizer steps with nanotrain.training's
 the losses agree to float rounding.
 """
 
-import contextlib
 import json
 import sys
 import time
@@ -18,8 +17,10 @@ import time
 import torch
 
 from nanotrain.auto_batch_size import discover_device_batch_size, gpt_builder
-from nanotrain.common import UserError, autodetect_device_type, die, synchronize
+from nanotrain.common import UserError, autodetect_device_type, run_script, synchronize
 from nanotrain.configurator import configure
+from nanotrain.gpt import config_from_depth
+from nanotrain.training import forward_backward, optimizer_step, precision
 
 depth = 4  # model depth (model_dim = 64 * depth)
 max_seq_len = 128  # tokens per row
@@ -37,11 +38,8 @@ config = configure(globals())
 
 def run_setting(build_model, device, batch_size, autocast_ctx):
     """Trains steps + 1 optimizer steps at device_batch_size=batch_size; returns (tokens/s, first step loss)."""
-    from nanotrain.training import forward_backward, optimizer_step
-
     torch.manual_seed(seed)
-    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON line
-        model, optimizers = build_model(device)
+    model, optimizers = build_model(device)
     rows = total_batch_size // max_seq_len
     g = torch.Generator().manual_seed(seed)
     data = [torch.randint(0, vocab_size, (2, rows, max_seq_len), generator=g).to(device) for _ in range(steps + 1)]
@@ -58,9 +56,6 @@ def run_setting(build_model, device, batch_size, autocast_ctx):
 
 
 def main():
-    from nanotrain.gpt import config_from_depth
-    from nanotrain.training import precision
-
     device = torch.device(device_type or autodetect_device_type())
     amp, autocast_ctx = precision(dtype, device)
     model_config = config_from_depth(depth, vocab_size, max_seq_len)
@@ -87,7 +82,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
+    run_script(main)

@@ -12,8 +12,9 @@ import pytest
 import torch
 from conftest import TINY_TRAIN, run_script
 
-from nanotrain.auto_batch_size import GiB, discover_device_batch_size, gpt_builder, measure_fake_peak
+from nanotrain.auto_batch_size import discover_device_batch_size, gpt_builder
 from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
+from nanotrain.memory import GiB, measure_fake_peak
 
 TINY = GPTConfig(max_seq_len=32, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, model_dim=32)
 

@@ -1,11 +1,14 @@
-"""Automatic device batch size through base_train's command line on CPU (a simulated device budget)."""
+"""Automatic device batch size through the command line on CPU (a simulated device budget): base_train, mid_train and
+chat_sft with --auto_batch_size=True, and the settings of plan mode (scripts/auto_batch_plan.py)."""
 
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
-from conftest import TINY_TRAIN, run_script
+from conftest import REPO, TINY_TRAIN, run_script
 
 pytestmark = pytest.mark.smoke
 AUTO = [a for a in TINY_TRAIN if not a.startswith("--device_batch_size")] + [
@@ -64,7 +67,7 @@ def test_mid_train_and_chat_sft_accept_the_flags(base_dir):
     """mid_train discovers device_batch_size and chat_sft discovers max_tokens_per_device (rows of max_seq_len)."""
     r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=2", "--run_name=src", base_dir=base_dir)
     assert r.returncode == 0, r.stderr[-3000:]
-    m = run_script("mid_train.py", "--base_run_name=src", "--run_name=src", "--device_batch_size=-1",
+    m = run_script("mid_train.py", "--base_run_name=src", "--run_name=src",
                    "--auto_batch_size=True", "--device_memory_gb=0.05", "--num_iterations=2", "--eval_every=-1",
                    base_dir=base_dir)
     assert m.returncode == 0, m.stderr[-3000:]
@@ -77,3 +80,18 @@ def test_mid_train_and_chat_sft_accept_the_flags(base_dir):
     rows, _, _, _, _ = found(s.stdout)
     assert f"max_tokens_per_device = {rows} x 64 = {rows * 64:,}" in s.stdout
     assert os.path.exists(os.path.join(base_dir, "sft", "src", "auto_batch_size.json"))
+
+
+PLAN_SETTINGS = ["depth", "depths", "max_seq_len", "vocab_size", "total_batch_size", "device_memory_gb", "margin",
+                 "world_size", "activation_checkpointing"]  # the flags of plan mode's former argparse command line
+
+
+def test_plan_script_help_lists_every_setting():
+    """`python scripts/auto_batch_plan.py --help` exits 0 and lists exactly plan mode's settings, each with a comment.
+    Catches: a setting read outside the configurator (an argparse flag, or a global assigned after configure()),
+    which --help would not list and --name=value could not set, a renamed flag, and a --help that exits non-zero."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "auto_batch_plan.py"), "--help"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    listed = re.findall(r"^  --(\w+) += .*\S {2,}\S", out.stdout, re.M)
+    assert listed == PLAN_SETTINGS, out.stdout

@@ -1,8 +1,9 @@
 """
-Tests for nanotrain/auto_batch_size.py on CPU: the search on a simulated device that raises real
-torch.OutOfMemoryError, the candidate arithmetic, the byte margin, the OOM message table, the fake-tensor measurement
-(affine in B, optimizer state counted, equal to a real CPU step), probe hygiene, the cache, the logging contract, the
-brute-force acceptance check, plan mode, and GPU-only checks (skipped without CUDA).
+Tests for nanotrain/auto_batch_size.py and nanotrain/memory.py on CPU: the search on a simulated device that raises
+real torch.OutOfMemoryError, the candidate arithmetic, the byte margin, the OOM message table, the fake-tensor
+measurement (affine in B, optimizer state counted, equal to a real CPU step), probe hygiene, the cache, the logging
+contract, the brute-force acceptance check, the out-of-memory step-down of training (OOMStepDown), plan mode
+(scripts/auto_batch_plan.py), and GPU-only checks (skipped without CUDA).
 """
 
 import json
@@ -12,6 +13,7 @@ import random
 import re
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -19,23 +21,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanotrain.auto_batch_size as ab
+import nanotrain.memory as memory
 from nanotrain.auto_batch_size import (
-    OOM_MESSAGES,
+    OOMStepDown,
     cache_key,
     cache_path,
     candidate_batch_sizes,
     discover_device_batch_size,
     drop_cached,
     gpt_builder,
-    is_oom_error,
-    measure_fake_peak,
     next_smaller_candidate,
     search_batch_size,
 )
 from nanotrain.common import UserError
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.memory import OOM_MESSAGES, is_oom_error, measure_fake_peak
+from nanotrain.training import forward_backward
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN = os.path.join(REPO, "scripts", "auto_batch_plan.py")
 GiB = 2**30
 TINY_GPT = GPTConfig(max_seq_len=32, vocab_size=256, n_layer=1, n_head=2, n_kv_head=2, model_dim=32)
 SUMMARY = re.compile(r"^Auto-discovery found device_batch_size=(\d+) \| grad_accum_steps=(\d+) \| probes=(\d+) \| "
@@ -120,7 +124,7 @@ def budget_between(peak_fit, peak_nofit, margin=ab.DEFAULT_MARGIN):
 
 @pytest.mark.unit
 def test_candidates_are_exactly_the_divisors_and_always_divide():
-    """Catches: candidates that break total_batch_size divisibility (nanochat #532), a missing divisor (e.g. only
+    """Catches: candidates that break total_batch_size divisibility (a crash at the first step), a missing divisor (e.g. only
     powers of two, which loses 3 * 2^k sizes on 6 GPUs), or a cap applied as '<' instead of '<='."""
     rng = random.Random(0)
     for _ in range(200):
@@ -186,7 +190,7 @@ def test_search_finds_exactly_the_largest_fitting_candidate_within_the_bound():
 
 
 def gallop_from_one(fits, candidates):
-    """The seed design / Lightning 'binsearch' idea over the candidate list: try indices 0, 1, 3, 7, ... (sizes 1, 2,
+    """Lightning's 'binsearch' idea over the candidate list: try indices 0, 1, 3, 7, ... (sizes 1, 2,
     4, 8, ... for powers of two) until a failure, then bisect the bracket. Correct, but not within the bound."""
     lo, i = -1, 0
     while i < len(candidates) and fits(candidates[i]):
@@ -242,7 +246,7 @@ def test_nothing_fits_is_a_clear_user_error():
 
 @pytest.mark.unit
 def test_non_oom_errors_propagate_from_the_search():
-    """Catches: a fits wrapper that treats every exception as 'too big' (pitfall P7)."""
+    """Catches: a fits wrapper that treats every exception as 'too big' (hiding real bugs)."""
     class BrokenDevice(SimulatedDevice):
         def step(self, batch_size):
             if batch_size > 8:
@@ -331,7 +335,7 @@ def test_fake_peak_is_affine_in_batch_size_and_counts_the_optimizer_state():
     no_step = measure_fake_peak(build, 4, max_seq_len=32, vocab_size=256, optimizer_step=False)
     model, optimizers = build("cpu")
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ab.probe_step(model, optimizers, 1, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0))
+    memory.probe_step(model, optimizers, 1, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0))
     state_bytes = sum(t.numel() * t.element_size() for opt in optimizers for s in opt.state.values()
                       for t in s.values() if torch.is_tensor(t))
     assert state_bytes > grad_bytes  # AdamW keeps 2 moments, Muon 1 buffer
@@ -346,7 +350,7 @@ def test_fake_peak_equals_a_real_cpu_step_and_is_plausible():
     state + one fp32 logits tensor (B, T, V). The process RSS comparison is test_rss_of_a_real_step (slow)."""
     build = gpt_builder(TINY_GPT)
     fake = measure_fake_peak(build, 4, max_seq_len=32, vocab_size=256)
-    probe = ab._RealProbe(build, "cpu", 32, 256, None, 1, log=lambda *a: None)
+    probe = memory.RealProbe(build, "cpu", 32, 256, None, 1, log=lambda *a: None)
     with probe:
         real, oom, thrash = probe.measure(4)
         param_bytes = sum(p.numel() * 4 for p in probe.model.parameters())
@@ -376,15 +380,15 @@ def test_peak_tracker_matches_stock_memtracker():
     from torch.distributed._tools.mem_tracker import MemTracker
     build = gpt_builder(TINY_GPT)
     results = []
-    for make in (MemTracker, ab._peak_tracker):
+    for make in (MemTracker, memory._peak_tracker):
         with FakeTensorMode():
             model, optimizers = build("cpu")
             tracker = make()
             tracker.track_external(model, *optimizers)
             with tracker:
-                ab.probe_step(model, optimizers, 4, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0),
+                memory.probe_step(model, optimizers, 4, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0),
                               on_micro_step=tracker.reset_mod_stats)
-        results.append(ab._tracker_peak_bytes(tracker))
+        results.append(memory._tracker_peak_bytes(tracker))
     assert results[0] == results[1] > 0
 
 
@@ -395,7 +399,8 @@ def test_rss_of_a_real_step_is_within_the_margin_of_the_fake_estimate():
     code = """
 import os, torch
 from nanotrain.gpt import GPTConfig
-from nanotrain.auto_batch_size import gpt_builder, measure_fake_peak, probe_step
+from nanotrain.auto_batch_size import gpt_builder
+from nanotrain.memory import measure_fake_peak, probe_step
 torch.set_num_threads(1)
 build = gpt_builder(GPTConfig(max_seq_len=128, vocab_size=8192, n_layer=2, n_head=1, n_kv_head=1, model_dim=128))
 fake = measure_fake_peak(build, 16, max_seq_len=128, vocab_size=8192)
@@ -700,7 +705,7 @@ def test_interrupted_cache_write_keeps_the_old_entry(monkeypatch, tmp_path):
     (1, None, [8, 4, 2]),  # nothing fits within 3 compiled probes
 ])
 def test_compiled_verification_steps_down_or_up_within_three_probes(limit, expected, calls):
-    """Catches: trusting the eager size for the compiled model (nanochat #443), re-probing a size that failed, or
+    """Catches: trusting the eager size for the compiled model (which can need more memory), re-probing a size that failed, or
     more compiled probes (recompiles) than MAX_COMPILED_PROBES."""
     seen = []
 
@@ -716,23 +721,144 @@ def test_compiled_verification_steps_down_or_up_within_three_probes(limit, expec
     assert seen == calls and len(set(seen)) == len(seen)
 
 
+# ----------------------------------------------------------------------------- out of memory after discovery
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
+    model.init_weights()
+    with torch.no_grad():  # give the zero-initialised projections some weight so every path matters
+        for name, p in model.named_parameters():
+            if "c_proj" in name or "lm_head" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+class OOMAbove(torch.nn.Module):
+    """A simulated device: the wrapped model raises a real torch.OutOfMemoryError for micro-batches above `limit`."""
+
+    def __init__(self, model, limit):
+        super().__init__()
+        self.model, self.limit, self.calls = model, limit, []
+
+    def forward(self, x, y):
+        self.calls.append(x.size(0))
+        if x.size(0) > self.limit:
+            raise torch.OutOfMemoryError(f"simulated: micro-batch {x.size(0)} > {self.limit}")
+        return self.model(x, y)
+
+
+@pytest.mark.unit
+def test_oom_step_down_keeps_tokens_and_loss(monkeypatch, tmp_path):
+    """
+    An OOM at the discovered size steps down to the next candidate and redoes the step on the same rows: loss and
+    gradient equal a run that used the smaller size from the start (1e-6, fp32). Catches a step-down that skips the
+    step (other rows), applies a partial gradient twice (grads not zeroed), or keeps grad_accum_steps (fewer tokens).
+    """
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    torch.manual_seed(2)
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    ref_model = tiny_model()
+    ref_loss = forward_backward(ref_model, x, y, 2, nullcontext())
+    model = OOMAbove(tiny_model(), limit=2)
+    logs = []
+    step_down = OOMStepDown({"candidates": [1, 2, 4, 8], "cache_key": {}}, None, 8, log=logs.append)
+    loss = step_down.forward_backward(model, x, y, nullcontext(), step=0)
+    assert step_down.device_batch_size == 2 and model.calls == [8, 4, 2, 2, 2, 2]
+    assert abs(loss.item() - ref_loss.item()) < 1e-6
+    assert rel(grads(model.model), grads(ref_model)) < 1e-6
+    assert "stepping down to 4" in logs[0] and "stepping down to 2" in logs[1]
+    # counter-example: without zeroing the gradients of the failed attempt the result differs
+    bad = OOMAbove(tiny_model(), limit=4)
+    bad.model(x[:4], y[:4]).backward()  # a partial micro-step's gradient left behind
+    forward_backward(bad.model, x, y, 4, nullcontext())
+    assert rel(grads(bad.model), grads(ref_model)) > 1e-3
+
+
+@pytest.mark.unit
+def test_oom_at_smallest_candidate_is_a_clear_error():
+    """Catches: a step-down past the smallest candidate (an IndexError, or a size of 0 and a ZeroDivisionError)
+    instead of a one-line UserError."""
+    model = OOMAbove(tiny_model(), limit=0)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    step_down = OOMStepDown({"candidates": [1, 2, 4], "cache_key": {}}, None, 2, log=lambda *a: None)
+    with pytest.raises(UserError, match="smallest candidate"):
+        step_down.forward_backward(model, x, x, nullcontext(), step=0)
+
+
+@pytest.mark.unit
+def test_step_down_propagates_other_errors():
+    """Catches: an except clause that treats every error as out of memory (a real bug hidden behind step-downs)."""
+    class Broken(torch.nn.Module):
+        def forward(self, x, y):
+            raise RuntimeError("shape mismatch, not an OOM")
+    x = torch.zeros(4, 16, dtype=torch.long)
+    step_down = OOMStepDown({"candidates": [1, 2, 4], "cache_key": {}}, None, 2, log=lambda *a: None)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        step_down.forward_backward(Broken(), x, x, nullcontext(), step=0)
+
+
+@pytest.mark.unit
+def test_step_down_is_recorded_rewritten_and_drops_the_cache_entry(monkeypatch, tmp_path):
+    """
+    A discovery with record_path writes its record there; a training step that then runs out of memory steps down,
+    appends [step, old, new] to record["step_downs"] (a second step-down appends another), rewrites record_path and
+    drops the cache entry, and device_batch_size is the new size; a step without OOM changes nothing. Catches: a
+    step-down whose cache entry survives (the next run reuses a size that ran out of memory), a record file that does
+    not show it, a list that is replaced instead of extended, or a size left at the old value (every later step would
+    run out of memory again).
+    """
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    path = str(tmp_path / "auto_batch_size.json")
+    build = gpt_builder(TINY_GPT)
+    batch_size, record = discover_device_batch_size(build, max_seq_len=32, vocab_size=256, total_batch_size=32 * 8,
+                                                    world_size=1, device="cpu", device_memory_gb=1, key_fields={},
+                                                    log=lambda *a: None, record_path=path)
+    assert batch_size == 8 and record["candidates"] == [1, 2, 4, 8] and os.path.exists(record["cache_path"])
+    assert json.load(open(path)) == json.loads(json.dumps(record))
+    model, _ = build("cpu")
+    sim = OOMAbove(model, limit=4)
+    step_down = OOMStepDown(record, path, batch_size, log=lambda *a: None)
+    x, y = torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32))
+    step_down.forward_backward(sim, x, y, nullcontext(), step=3)
+    assert step_down.device_batch_size == 4 and record["step_downs"] == [[3, 8, 4]]
+    assert json.load(open(path))["step_downs"] == [[3, 8, 4]]
+    assert not os.path.exists(record["cache_path"])
+    model.zero_grad(set_to_none=True)
+    step_down.forward_backward(sim, x, y, nullcontext(), step=4)  # fits at 4: nothing recorded
+    assert step_down.device_batch_size == 4 and json.load(open(path))["step_downs"] == [[3, 8, 4]]
+    sim.limit = 1
+    model.zero_grad(set_to_none=True)
+    step_down.forward_backward(sim, x, y, nullcontext(), step=5)
+    assert step_down.device_batch_size == 1 and record["step_downs"] == [[3, 8, 4], [5, 4, 1]]
+    assert json.load(open(path)) == json.loads(json.dumps(record))
+
+
 # ----------------------------------------------------------------------------- budget and plan mode
 
 @pytest.mark.unit
 def test_default_cpu_budget_is_half_of_memavailable_per_local_rank():
-    avail = ab._mem_available_bytes()
-    budget, desc = ab.device_memory_budget("cpu", None, local_world_size=2)
+    avail = memory._mem_available_bytes()
+    budget, desc = memory.device_memory_budget("cpu", None, local_world_size=2)
     assert budget <= 0.25 * avail and budget > 0.25 * avail - GiB and budget % (256 * 2**20) == 0
     assert desc["type"] == "cpu" and "MemAvailable" in desc["source"]
-    assert ab.device_memory_budget("cpu", 1.5)[0] == int(1.5 * GiB)
+    assert memory.device_memory_budget("cpu", 1.5)[0] == int(1.5 * GiB)
     with pytest.raises(UserError, match="--device_memory_gb=0"):
-        ab.device_memory_budget("cpu", 0)
+        memory.device_memory_budget("cpu", 0)
 
 
 @pytest.mark.smoke
 def test_plan_mode_prints_an_estimate_table():
-    out = subprocess.run([sys.executable, "-m", "nanotrain.auto_batch_size", "--depths=1,2", "--max_seq_len=32",
-                          "--vocab_size=256", "--total_batch_size=1024", "--device_memory_gb=0.02"],
+    out = subprocess.run([sys.executable, PLAN, "--depths=1,2", "--max_seq_len=32", "--vocab_size=256",
+                          "--total_batch_size=1024", "--device_memory_gb=0.02"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
     text = out.stdout
@@ -743,12 +869,14 @@ def test_plan_mode_prints_an_estimate_table():
     assert all(int(b) * int(g) * 32 == 1024 for _, b, g in found)
 
 
-@pytest.mark.unit
+@pytest.mark.smoke
 def test_plan_mode_flags_are_checked():
-    with pytest.raises(UserError, match="--depths='a,b'"):
-        ab.main(["--depths=a,b"])
-    with pytest.raises(UserError, match="--margin=1.5"):
-        ab.main(["--margin=1.5"])
+    """Catches: bad --depths or --margin reaching the measurement (a traceback, or a plan for a margin above 1)
+    instead of one `error:` line naming the flag and exit code 2."""
+    for arg, message in (("--depths=a,b", "--depths='a,b'"), ("--margin=1.5", "--margin=1.5")):
+        out = subprocess.run([sys.executable, PLAN, arg], capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert out.returncode == 2, out.stderr
+        assert re.search(f"^error: {re.escape(message)}", out.stderr, re.M), out.stderr
 
 
 # ----------------------------------------------------------------------------- GPU (skipped without CUDA)
@@ -759,7 +887,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.gpu
 @needs_cuda
 def test_real_cuda_oom_under_the_memory_fraction_is_caught_and_cleaned_up():
-    """A real allocator OOM (P12): under set_per_process_memory_fraction(0.25) an allocation of half the device raises
+    """A real allocator OOM: under set_per_process_memory_fraction(0.25) an allocation of half the device raises
     torch.OutOfMemoryError, is_oom_error says so, and memory is back to its baseline after clean-up."""
     dev = torch.device("cuda")
     total = torch.cuda.get_device_properties(dev).total_memory
@@ -803,7 +931,7 @@ def test_found_size_runs_20_steps_under_the_margin(monkeypatch, tmp_path):
         torch.cuda.reset_peak_memory_stats(dev)
         g = torch.Generator(device=dev).manual_seed(0)
         for _ in range(20):
-            ab.probe_step(model, optimizers, batch_size, 512, 8192, device=dev, amp_dtype=torch.bfloat16, generator=g)
+            memory.probe_step(model, optimizers, batch_size, 512, 8192, device=dev, amp_dtype=torch.bfloat16, generator=g)
         torch.cuda.synchronize(dev)
         assert torch.cuda.max_memory_reserved(dev) <= margin * gb * GiB
     finally:

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanotrain.auto_batch_size import GiB, discover_device_batch_size, gpt_builder, measure_fake_peak
+from nanotrain.auto_batch_size import discover_device_batch_size, gpt_builder
 from nanotrain.common import exit_process
 from nanotrain.gpt import GPTConfig
+from nanotrain.memory import GiB, measure_fake_peak
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 WORLD = 2
@@ -76,9 +77,9 @@ def worker(rank, port, out_dir, base_dir, gb_big, gb_small):
 
 
 def test_ranks_agree_smallest_device_wins_and_failures_do_not_hang(tmp_path, monkeypatch):
-    """Catches: per-rank decisions (ranks ending with different sizes and mismatched micro-batch counts, the
-    Accelerate / lm-eval #1743 failure mode), a MAX instead of MIN of 'fits' (the larger device would win and the
-    smaller one OOM), and an exception that leaves the other rank waiting in a collective."""
+    """Catches: per-rank decisions (ranks ending with different sizes and mismatched micro-batch counts, then a hang
+    in a collective), a MAX instead of MIN of 'fits' (the larger device would win and the smaller one OOM), and an
+    exception that leaves the other rank waiting in a collective."""
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     build = gpt_builder(CONFIG)
     peaks = {b: measure_fake_peak(build, b, max_seq_len=32, vocab_size=256, world_size=WORLD) for b in (2, 4, 8, 16)}

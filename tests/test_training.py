@@ -99,65 +99,6 @@ def test_metrics_log_resume_drops_later_rows(tmp_path):
     assert open(tmp_path / "metrics.jsonl").read() == ""
 
 
-class OOMAbove(torch.nn.Module):
-    """A simulated device: the wrapped model raises a real torch.OutOfMemoryError for micro-batches above `limit`."""
-
-    def __init__(self, model, limit):
-        super().__init__()
-        self.model, self.limit, self.calls = model, limit, []
-
-    def forward(self, x, y):
-        self.calls.append(x.size(0))
-        if x.size(0) > self.limit:
-            raise torch.OutOfMemoryError(f"simulated: micro-batch {x.size(0)} > {self.limit}")
-        return self.model(x, y)
-
-
-def test_oom_step_down_keeps_tokens_and_loss():
-    """
-    An OOM at the discovered size steps down to the next candidate and redoes the step on the same rows: loss and
-    gradient equal a run that used the smaller size from the start (1e-6, fp32). Catches a step-down that skips the
-    step (other rows), applies a partial gradient twice (grads not zeroed), or keeps grad_accum_steps (fewer tokens).
-    """
-    from nanotrain.training import forward_backward_or_step_down
-    torch.manual_seed(2)
-    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
-    ref_model = tiny_model()
-    ref_loss = forward_backward(ref_model, x, y, 2, nullcontext())
-    model = OOMAbove(tiny_model(), limit=2)
-    logs = []
-    loss, micro = forward_backward_or_step_down(model, x, y, 8, [1, 2, 4, 8], nullcontext(), log=logs.append)
-    assert micro == 2 and model.calls == [8, 4, 2, 2, 2, 2]
-    assert abs(loss.item() - ref_loss.item()) < 1e-6
-    assert rel(grads(model.model), grads(ref_model)) < 1e-6
-    assert "stepping down to 4" in logs[0] and "stepping down to 2" in logs[1]
-    # counter-example: without zeroing the gradients of the failed attempt the result differs
-    bad = OOMAbove(tiny_model(), limit=4)
-    bad.model(x[:4], y[:4]).backward()  # a partial micro-step's gradient left behind
-    forward_backward(bad.model, x, y, 4, nullcontext())
-    assert rel(grads(bad.model), grads(ref_model)) > 1e-3
-
-
-def test_oom_at_smallest_candidate_is_a_clear_error():
-    from nanotrain.common import UserError
-    from nanotrain.training import forward_backward_or_step_down
-    model = OOMAbove(tiny_model(), limit=0)
-    x = torch.zeros(4, 16, dtype=torch.long)
-    with pytest.raises(UserError, match="smallest candidate"):
-        forward_backward_or_step_down(model, x, x, 2, [1, 2, 4], nullcontext(), log=lambda *a: None)
-
-
-def test_step_down_propagates_other_errors():
-    from nanotrain.training import forward_backward_or_step_down
-
-    class Broken(torch.nn.Module):
-        def forward(self, x, y):
-            raise RuntimeError("shape mismatch, not an OOM")
-    x = torch.zeros(4, 16, dtype=torch.long)
-    with pytest.raises(RuntimeError, match="shape mismatch"):
-        forward_backward_or_step_down(Broken(), x, x, 2, [1, 2, 4], nullcontext(), log=lambda *a: None)
-
-
 @pytest.mark.unit
 def test_metrics_log_resume_keeps_each_evaluation_once(tmp_path):
     """
@@ -175,3 +116,27 @@ def test_metrics_log_resume_keeps_each_evaluation_once(tmp_path):
     log.close()
     got = [json.loads(ln) for ln in path.read_text().splitlines()]
     assert got == rows[:4]
+
+
+def test_grad_accum_steps_and_the_batch_arithmetic_error():
+    """
+    grad_accum_steps_for: 4096 tokens of 8 rows x 256 tokens on 1 rank is 2 micro-batches; 4096 over 2 ranks of
+    8 x 128 is 2. A total that does not divide is one UserError naming the nearest valid totals and nearby valid
+    device batch sizes (worked by hand: 5000 / (3 * 256) -> 4608 or 5376; 4096 / 256 = 16 rows, divisors near 3 are
+    2, 4, 1). Catches a division that floors silently (5000 // 768 = 6 steps of the wrong size), a check that forgets
+    world_size, and a zero or negative size reaching the division.
+    """
+    from nanotrain.common import UserError
+    from nanotrain.training import grad_accum_steps_for
+    assert grad_accum_steps_for(4096, 8, 256, 1) == 2
+    assert grad_accum_steps_for(4096, 8, 128, 2) == 2
+    with pytest.raises(UserError, match=r"= 8 \* 256 \* 4 = 8192; nearest valid: --total_batch_size=8192, or "):
+        grad_accum_steps_for(4096, 8, 256, 4)  # the world size counts: 4 ranks need 8192 tokens per step
+    with pytest.raises(UserError) as e:
+        grad_accum_steps_for(5000, 3, 256, 1)
+    assert "nearest valid: --total_batch_size=4608 or 5376" in str(e.value)
+    with pytest.raises(UserError) as e:
+        grad_accum_steps_for(4096, 3, 256, 1)
+    assert "--device_batch_size in [1, 2, 4] (divisors of 4096 / (256 * 1) = 16)" in str(e.value)
+    with pytest.raises(UserError, match="must be positive"):
+        grad_accum_steps_for(4096, 0, 256, 1)
