@@ -19,15 +19,13 @@ torch.load(weights_only=True): no arbitrary pickle is ever executed.
 
 import json
 import os
-import random
 import shutil
 import warnings
 
 import torch
-import torch.distributed as dist
 
 import nanotrain
-from nanotrain.common import atomic_write_json, get_base_dir, git_commit
+from nanotrain.common import UserError, atomic_write_json, barrier, get_base_dir, git_commit, print0
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
 
 CHECKPOINT_FORMAT = 1
@@ -38,29 +36,6 @@ def get_run_dir(stage, run):
     path = os.path.join(get_base_dir(), stage, run)
     os.makedirs(path, exist_ok=True)
     return path
-
-
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def rng_state(device):
-    """The RNG states of this process (Python, torch CPU, and CUDA of `device` if any), weights_only-loadable."""
-    version, state, gauss = random.getstate()
-    out = {"python": [version, list(state), gauss], "torch": torch.get_rng_state()}
-    if torch.device(device).type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
-    return out
-
-
-def set_rng_state(state, device):
-    """Restores RNG states saved by rng_state()."""
-    version, st, gauss = state["python"]
-    random.setstate((version, tuple(st), gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.device(device).type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, world_size=1, keep_last=0):
@@ -79,7 +54,7 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    barrier()
     torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
     if is_fsdp(model):  # collective: all ranks gather, rank 0 receives
         model_state, optim_states = full_state_dicts(model, optimizers)
@@ -88,7 +63,7 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
     if rank == 0:
         torch.save(model_state, os.path.join(tmp, "model.pt"))
         torch.save(optim_states, os.path.join(tmp, "optim.pt"))
-    _barrier()
+    barrier()
     if rank == 0:
         meta = dict(meta, step=step, world_size=world_size, format=CHECKPOINT_FORMAT,
                     nanotrain_version=nanotrain.__version__, git_commit=git_commit(), torch_version=torch.__version__)
@@ -104,7 +79,7 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
         if keep_last > 0:
             for path in list_checkpoints(run_dir)[:-keep_last]:
                 shutil.rmtree(path, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 
@@ -121,6 +96,33 @@ def load_optimizers(model, optimizers, states):
         return
     for opt, state in zip(optimizers, states):
         opt.load_state_dict(state)
+
+
+def resume_checkpoint(run_dir, device, rank=0):
+    """
+    The checkpoint a --resume=True run continues from: load_latest(run_dir, device, rank) with the optimizer state,
+    or None (and a warning on rank 0 that the run starts fresh) when run_dir has no complete checkpoint.
+    """
+    ckpt = load_latest(run_dir, device, rank)
+    if ckpt is None:
+        print0(f"warning: --resume=True but {run_dir} has no complete checkpoint; starting fresh")
+    return ckpt
+
+
+def check_resume(ckpt, run_dir, settings, keys, world_size):
+    """
+    Raises UserError unless the checkpoint `ckpt` (from resume_checkpoint) was written by a run with the same
+    settings[key] for every key in `keys` (settings that change what is trained: data, sizes, seeds) and the same
+    world_size (each rank's loader and RNG state are saved per rank). The message names the first differing flag.
+    """
+    old = ckpt["meta"]["config"]
+    for key in keys:
+        if old[key] != settings[key]:
+            raise UserError(f"--resume=True: the checkpoint in {run_dir} has {key}={old[key]!r} but this run "
+                            f"has --{key}={settings[key]!r}")
+    if ckpt["meta"]["world_size"] != world_size or ckpt["rank_state"] is None:
+        raise UserError(f"--resume=True: the checkpoint {ckpt['path']} was written with world_size "
+                        f"{ckpt['meta']['world_size']}; resume with the same number of processes ({world_size})")
 
 
 def list_checkpoints(run_dir):

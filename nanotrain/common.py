@@ -1,6 +1,8 @@
 """
-Runtime helpers shared by every script: device choice, torchrun / torch.distributed set-up and tear-down,
-rank-0 printing, seeding, the base directory for data and checkpoints, clean one-line errors, atomic writes.
+Runtime helpers shared by every script: device choice, torchrun / torch.distributed set-up and tear-down, scalar
+all-reduces, rank-0 printing, seeding and RNG state, the base directory for data and checkpoints, clean one-line
+errors and the script runner, atomic writes, the matmul throughput used as the MFU peak.
+This module imports nothing else of nanotrain: every other module may import it.
 """
 
 import atexit
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,22 +46,32 @@ def exit_process(code=0):
     runs the atexit handlers, flushes stdout and stderr and leaves with os._exit(code), skipping the interpreter's
     finalization; otherwise it is sys.exit(code).
 
-    Why: gloo's worker thread (torch 2.13) drops a collective's work object, and with it the tensors the collective
-    used, after the caller has already seen the result. Dropping a tensor that has a Python object takes the GIL, and
-    CPython ends any thread that asks for the GIL once finalization has begun: here in the middle of a C++ destructor,
-    which aborts the whole process (SIGABRT, "terminate called without an active exception"; core dump: gloo runLoop ->
-    ~AsyncBarrierWork -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit). A finished
-    2-rank run then exits with -6 and torchrun reports it failed: one test of a CI run did, and 5 to 9 in 25 to 30
-    launches of a minimal DDP script under CPU load on this machine (tests/test_common.py), 0 in 75 with this exit.
-    The same problem upstream: pytorch/pytorch PR 179291 (closed unmerged).
+    Why: gloo's worker thread (torch 2.13) can still be dropping a finished collective's tensors, which takes the
+    GIL, when the interpreter finalizes; CPython then ends that thread inside a C++ destructor and the process
+    aborts (SIGABRT, "terminate called without an active exception") after the run has succeeded.
     """
-    if not (_DIST_STARTED or (dist.is_available() and dist.is_initialized())):
+    if not (_DIST_STARTED or is_distributed()):
         sys.exit(code)
     compute_cleanup()
     atexit._run_exitfuncs()  # what normal exit runs before finalization (logging, our prefetch threads, inductor)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_script(main):
+    """
+    Runs a script's main() the way every script ends: a UserError becomes one `error: ...` line and exit code 2
+    (die), the process group is torn down on every path, and the process leaves through exit_process(0) (not
+    sys.exit: see exit_process). Any other exception propagates with its traceback.
+    """
+    try:
+        main()
+    except UserError as e:
+        die(str(e))
+    finally:
+        compute_cleanup()
+    exit_process(0)
 
 
 def get_base_dir():
@@ -95,15 +108,74 @@ def autodetect_device_type():
     return "cpu"
 
 
+def rng_state(device):
+    """
+    The RNG states of this process: Python's, torch's CPU generator and, on a CUDA `device`, that device's generator.
+    A dict of lists and tensors, loadable with torch.load(weights_only=True) (checkpoints keep it per rank).
+    """
+    version, state, gauss = random.getstate()
+    out = {"python": [version, list(state), gauss], "torch": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state, device):
+    """Restores the RNG states saved by rng_state(device) (the CUDA one only on a CUDA `device`)."""
+    version, st, gauss = state["python"]
+    random.setstate((version, tuple(st), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
 def seed_everything(seed):
     """Seeds Python's, NumPy's and torch's (CPU and CUDA) generators."""
     random.seed(seed)
-    try:
-        import numpy as np
-        np.random.seed(seed % (2**32))
-    except ImportError:
-        pass
+    np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def is_distributed():
+    """True when a torch.distributed process group is up in this process (torchrun, or a test's spawned ranks)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+_REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX"}
+
+
+def all_reduce_scalar(value, op, device):
+    """
+    One number reduced over all ranks: op is "sum", "mean", "min" or "max". value: a 0-dim tensor (reduced in its
+    own dtype, e.g. an fp32 loss), a bool or int (int64: exact counts and flags) or a float (float64), placed on
+    `device` for the collective. Returns a Python number (float for tensors and floats, int for bools and ints);
+    without a process group, the value itself. Collective: every rank must call it. Raises ValueError for another op.
+    """
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce_scalar: op={op!r}: expected one of {sorted(_REDUCE_OPS)}")
+    if not is_distributed():  # no tensor, no device sync for plain numbers
+        return value.item() if torch.is_tensor(value) else int(value) if isinstance(value, bool) else value
+    if torch.is_tensor(value):
+        t = value.detach().reshape(()).clone()
+    elif isinstance(value, (bool, int)):
+        t = torch.tensor(int(value), dtype=torch.int64, device=device)
+    else:
+        t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, _REDUCE_OPS[op]))
+    if op == "mean":
+        t /= dist.get_world_size()
+    return t.item()
+
+
+def any_rank(flag, device):
+    """True if `flag` (bool) is set on any rank (one all-reduce MAX; the flag itself without a process group)."""
+    return all_reduce_scalar(bool(flag), "max", device) > 0
+
+
+def barrier():
+    """dist.barrier() when a process group is up; a no-op otherwise."""
+    if is_distributed():
+        dist.barrier()
 
 
 def compute_init(device_type=""):
@@ -136,8 +208,6 @@ def compute_init(device_type=""):
             # one process per core group: split the cores among the local ranks
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-            from nanotrain.muon import ns_dtype_for  # (muon imports this module)
-            ns_dtype_for(device)  # collective: every rank agrees on Muon's Newton-Schulz dtype now, not mid-step
         dist.barrier()
     else:
         device = torch.device(device_type)
@@ -146,7 +216,7 @@ def compute_init(device_type=""):
 
 def compute_cleanup():
     """Destroys the process group if one is up (safe to call twice, on error paths too)."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         try:
             dist.destroy_process_group()
         except Exception:

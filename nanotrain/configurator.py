@@ -136,9 +136,9 @@ def configure(g, argv=None, none_types=None):
     """
     Reads the settings of the script whose module globals are `g` (the plain literal globals assigned above the
     call), applies `--name=value` overrides from `argv` (default sys.argv[1:]) back into `g`, handles `--help`
-    (none_types: {name: tuple of types} allowed for settings whose default is None)
-    (prints and exits 0), and returns the final settings as a dict. A bad argument prints `error: <one line>`
-    and exits with code 2.
+    (prints every setting and exits 0), and returns the final settings as a dict. none_types: {name: tuple of
+    types} allowed for settings whose default is None (None itself is always allowed). A bad argument prints
+    `error: <one line>` and exits with code 2.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     argv = [a for a in argv if a != "--"]  # `torchrun script.py -- --name=value` passes the separator through

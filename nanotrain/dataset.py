@@ -36,7 +36,7 @@ import urllib.parse
 import urllib.request
 import warnings
 
-from nanotrain.common import UserError, get_base_dir, print0
+from nanotrain.common import UserError, die, get_base_dir, print0
 
 SPLITS = ("train", "val")
 EXTENSIONS = (".parquet", ".jsonl", ".txt")
@@ -418,7 +418,6 @@ def main():
         d = build_builtin_corpus()
         stats = builtin_stats()
     except UserError as e:
-        from nanotrain.common import die
         die(str(e))
     print(f"builtin corpus: {d}")
     print(f"documents: {stats['docs']:,} (train {stats['train_docs']:,}, val {stats['val_docs']:,})")

@@ -12,8 +12,10 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
+from nanotrain.checkpoint import find_run_dir, list_checkpoints, load_checkpoint
 from nanotrain.common import UserError
-from nanotrain.gpt import KVCache
+from nanotrain.gpt import GPTConfig, KVCache, build_model
+from nanotrain.tokenizer import get_tokenizer
 
 MAX_BATCH = 64  # at most this many prompts share one KV cache
 
@@ -123,10 +125,6 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
     (model in eval mode (fp32 weights on `device`), tokenizer, checkpoint path, meta dict).
     Raises UserError if there is no such run or checkpoint, or no tokenizer.
     """
-    from nanotrain.checkpoint import find_run_dir, list_checkpoints, load_checkpoint
-    from nanotrain.gpt import GPT, GPTConfig
-    from nanotrain.tokenizer import get_tokenizer
-
     if stage not in ("base", "mid", "sft"):
         raise UserError(f"--source={stage!r}: expected 'base', 'mid' or 'sft'")
     run_dir = find_run_dir(stage, run_name)
@@ -140,13 +138,6 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
         raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
     ckpt = load_checkpoint(path, device, load_optimizer=False)
     tokenizer = get_tokenizer()
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**ckpt["meta"]["model_config"]))
-    model.to_empty(device=device)
-    model.init_weights()
-    model.load_state_dict(ckpt["model"])
+    model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size())
     model.eval()
-    if model.config.vocab_size != tokenizer.get_vocab_size():
-        raise UserError(f"checkpoint {path} has vocab_size {model.config.vocab_size} but the tokenizer has "
-                        f"{tokenizer.get_vocab_size()}; was the tokenizer retrained after this model?")
     return model, tokenizer, path, ckpt["meta"]

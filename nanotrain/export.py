@@ -18,9 +18,12 @@ import json
 import os
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import nanotrain
 from nanotrain.common import UserError
+from nanotrain.gpt import GPT, GPTConfig, build_model
 
 FORMAT = "nanotrain-gpt"
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's OptimizedModule, DistributedDataParallel
@@ -66,10 +69,6 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
     dict of extra str -> str entries. Raises UserError if the state dict's names or shapes are not those of
     GPT(model_config). Returns the path.
     """
-    from safetensors.torch import save_file
-
-    from nanotrain.gpt import GPT, GPTConfig
-
     config = _config_dict(model_config)
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) \
         else model_or_state_dict
@@ -106,8 +105,6 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
 def read_metadata(path):
     """The "__metadata__" dict (str -> str) of a safetensors file. Raises UserError naming the file if it is missing
     or not a readable safetensors file."""
-    from safetensors import safe_open
-
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file (export one with python scripts/export.py)")
     try:
@@ -125,10 +122,6 @@ def load_safetensors(path, device="cpu"):
     rotary buffers recomputed; config the GPTConfig from the metadata. Raises UserError naming the file if it is
     missing, not a safetensors file, truncated, not a nanotrain export, or its tensors do not fit the config.
     """
-    from safetensors import safe_open
-
-    from nanotrain.gpt import GPT, GPTConfig
-
     meta = read_metadata(path)
     if meta.get("format") != FORMAT or "model_config" not in meta:
         raise UserError(f"{path}: not a nanotrain export (metadata format={meta.get('format')!r}, expected "
@@ -137,10 +130,7 @@ def load_safetensors(path, device="cpu"):
         config = GPTConfig(**json.loads(meta["model_config"]))
         with safe_open(path, framework="pt", device="cpu") as f:
             state = {key: f.get_tensor(key) for key in f.keys()}
-        with torch.device("meta"):
-            model = GPT(config)
-        model.to_empty(device=device)
-        model.load_state_dict(state, strict=True)
+        model = build_model(config, device, {"model": state})  # load_state_dict is strict
     except UserError as exc:
         raise UserError(f"{path}: {exc}") from None
     except Exception as exc:  # bad JSON, truncated data, names or shapes that do not fit the config

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from nanotrain.common import is_distributed
+
 
 def is_fsdp(model):
     """
@@ -30,39 +32,39 @@ def is_fsdp(model):
     return mod is not None and isinstance(getattr(model, "_orig_mod", model), mod.FSDPModule)
 
 
-def mixed_precision_policy(amp):
+def mixed_precision_policy(compute_dtype):
     """
-    The FSDP2 MixedPrecisionPolicy of a run whose precision (nanotrain.training.precision) is `amp`, "bfloat16" or
-    "float32": parameters are all-gathered and computed in that dtype (the sharded master weights, gradients and
-    optimizer state stay fp32), gradients are reduce-scattered in fp32 (reduce_dtype=torch.float32, so averaging over
-    ranks does not round to bf16). Raises ValueError for another amp.
+    The FSDP2 MixedPrecisionPolicy of a run whose compute dtype (nanotrain.training.precision) is `compute_dtype`,
+    torch.bfloat16 or torch.float32: parameters are all-gathered and computed in that dtype (the sharded master
+    weights, gradients and optimizer state stay fp32), gradients are reduce-scattered in fp32
+    (reduce_dtype=torch.float32, so averaging over ranks does not round to bf16). Raises ValueError for another dtype.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    if amp not in dtypes:
-        raise ValueError(f"mixed_precision_policy: expected 'bfloat16' or 'float32', got {amp!r}")
-    policy = MixedPrecisionPolicy(param_dtype=dtypes[amp], reduce_dtype=torch.float32)
+    if compute_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"mixed_precision_policy: expected torch.bfloat16 or torch.float32, got {compute_dtype!r}")
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     assert policy.reduce_dtype == torch.float32, "gradients must be reduced in fp32"
     return policy
 
 
-def shard_model(model, device, amp):
+def shard_model(model, device, compute_dtype):
     """
     Shards a GPT in place with fully_shard and returns it (now also an FSDPModule): each block of model.blocks first,
     resharded after its forward (its all-gathered weights are freed and gathered again for backward), then the root
     (wte, lm_head; kept unsharded after forward since backward starts with lm_head). The mesh is 1-D over all ranks
     on device.type (nccl on CUDA, gloo on CPU: the process group of nanotrain.common.compute_init).
     model: fp32 parameters on the CPU or on `device` (fully_shard moves each group to `device` before cutting it,
-    so only one group at a time is whole on the device). amp: "bfloat16" or "float32" (mixed_precision_policy).
+    so only one group at a time is whole on the device). compute_dtype: torch.bfloat16 or torch.float32
+    (mixed_precision_policy).
     Raises RuntimeError if no process group is initialised.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         raise RuntimeError("shard_model needs torch.distributed to be initialised (run under torchrun)")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    policy = mixed_precision_policy(amp)
+    policy = mixed_precision_policy(compute_dtype)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-from nanotrain.common import UserError, print0
-from nanotrain.muon import NS_DTYPES, Muon
+from nanotrain.common import UserError
+from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
 
 try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenever it is absent
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -57,6 +57,11 @@ def config_from_depth(depth, vocab_size, max_seq_len):
         n_head -= 1
     return GPTConfig(max_seq_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, model_dim=model_dim)
+
+
+def adamw_lr_scale(model_dim):
+    """The factor of the AdamW lrs (embedding, lm_head): (model_dim / 768) ** -0.5, as in nanochat."""
+    return (model_dim / 768) ** -0.5
 
 
 def norm(x):
@@ -144,6 +149,47 @@ class KVCache:
         return self.k_cache[layer_idx, :, :, :t1], self.v_cache[layer_idx, :, :, :t1]
 
 
+def attention(q, k, v, layer_idx, kv_cache=None, segments=None):
+    """
+    Causal attention of q (B, T, n_head, head_dim) over k, v (B, T, n_kv_head, head_dim) (GQA when n_kv_head <
+    n_head), on the first backend that fits:
+    - packed rows (segments with cu_seqlens): flash-attn's variable-length kernel over the B*T flattened tokens;
+    - plain causal rows on CUDA in bf16/fp16 with flash-attn installed: flash_attn_func;
+    - packed rows otherwise: SDPA with the block-diagonal causal boolean mask of `segments`;
+    - plain causal rows otherwise: SDPA is_causal;
+    - with a KVCache: k, v are stored at the cache position of layer `layer_idx`, then SDPA over the whole prefix
+      (prefill from position 0: causal; one decode token: no mask; a chunk at pos > 0: causal within the chunk).
+    Returns y (B, T, n_head, head_dim) in q's dtype.
+    """
+    B, T, n_head, head_dim = q.shape
+    if segments is not None and segments.cu_seqlens is not None:
+        cu, n = segments.cu_seqlens, segments.max_seqlen
+        y = flash_attn_varlen_func(q.reshape(B * T, n_head, head_dim), k.reshape(B * T, -1, head_dim),
+                                   v.reshape(B * T, -1, head_dim), cu, cu, n, n, causal=True)
+        return y.view(B, T, n_head, head_dim)
+    if (kv_cache is None and segments is None and flash_attn_func is not None and q.is_cuda
+            and q.dtype in (torch.bfloat16, torch.float16)):
+        return flash_attn_func(q, k, v, causal=True)  # (B, T, H, D) layout, GQA handled natively
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # SDPA's (B, H, T, D) layout
+    gqa = k.size(1) != n_head
+    if segments is not None:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, enable_gqa=gqa)
+    elif kv_cache is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        k, v = kv_cache.insert_kv(layer_idx, k, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        Tq, Tk = q.size(2), k.size(2)
+        if Tq == Tk:  # prefill from position 0: plain causal
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif Tq == 1:  # one decode token sees the whole prefix
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        else:  # a chunk at pos > 0: the prefix is visible, causal within the chunk
+            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return y.transpose(1, 2)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -162,34 +208,7 @@ class CausalSelfAttention(nn.Module):
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         q, k = apply_rotary_emb(q, *cos_sin), apply_rotary_emb(k, *cos_sin)
         q, k = norm(q).to(v.dtype), norm(k).to(v.dtype)  # QK norm (autocast may have upcast the norm)
-        if segments is not None and segments.cu_seqlens is not None:  # packed rows on flash-attn's varlen kernel
-            cu, n = segments.cu_seqlens, segments.max_seqlen
-            y = flash_attn_varlen_func(q.reshape(B * T, self.n_head, self.head_dim),
-                                       k.reshape(B * T, self.n_kv_head, self.head_dim),
-                                       v.reshape(B * T, self.n_kv_head, self.head_dim), cu, cu, n, n, causal=True)
-            y = y.view(B, T, self.n_head, self.head_dim)
-        elif (kv_cache is None and segments is None and flash_attn_func is not None and q.is_cuda
-              and q.dtype in (torch.bfloat16, torch.float16)):
-            y = flash_attn_func(q, k, v, causal=True)  # (B, T, H, D) layout, GQA handled natively
-        else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
-            gqa = self.n_kv_head != self.n_head
-            if segments is not None:  # packed rows: block-diagonal causal mask
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, enable_gqa=gqa)
-            elif kv_cache is None:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-            else:
-                k, v = kv_cache.insert_kv(self.layer_idx, k, v)
-                k, v = k.to(q.dtype), v.to(q.dtype)
-                Tq, Tk = q.size(2), k.size(2)
-                if Tq == Tk:  # prefill from position 0: plain causal
-                    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-                elif Tq == 1:  # one decode token sees the whole prefix
-                    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-                else:  # chunk at pos > 0: the prefix is visible, causal within the chunk
-                    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
-                    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-            y = y.transpose(1, 2)
+        y = attention(q, k, v, self.layer_idx, kv_cache, segments)
         return self.c_proj(y.contiguous().view(B, T, -1))
 
 
@@ -241,8 +260,8 @@ class GPT(nn.Module):
         self.config = config
         self.activation_checkpointing = False
         self.head_dim = c.model_dim // c.n_head
-        # on the meta device nn.Embedding's own init would import torch._dynamo (1.5 s of start-up) for nothing:
-        # hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
+        # on the meta device nn.Embedding's own init would import torch._dynamo (a measured start-up cost) for
+        # nothing: hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
         w = torch.empty(c.vocab_size, c.model_dim)
         self.wte = nn.Embedding(c.vocab_size, c.model_dim, _weight=w) if w.is_meta else nn.Embedding(c.vocab_size,
                                                                                                       c.model_dim)
@@ -299,12 +318,12 @@ class GPT(nn.Module):
                          adam_betas=(0.8, 0.95), ns_dtype=""):
         """
         Returns [adamw, muon] as in nanochat v0/v1: torch AdamW (betas adam_betas, eps 1e-10; fused on CUDA, torch's
-        default elsewhere: on CPU foreach and fused measured no faster, its two tensors are ~1% of a step) for lm_head
-        (unembedding_lr * s) and wte (embedding_lr * s) with s = (model_dim/768)**-0.5,
+        default elsewhere) for lm_head (unembedding_lr * s) and wte (embedding_lr * s) with s = adamw_lr_scale,
         Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device, see
         nanotrain.muon.ns_dtype_for) for all block matrices. Every param group gets "initial_lr" = its lr.
-        Plain single-process optimizers: under DDP the gradients are averaged before step(). Raises UserError for an
-        unknown ns_dtype.
+        Plain single-process optimizers: under DDP the gradients are averaged before step(). With ns_dtype "" the
+        per-device choice is settled here, which on CPU under torch.distributed is a collective: every rank must call
+        this (the scripts and the auto batch size probes all do). Raises UserError for an unknown ns_dtype.
         """
         if ns_dtype and ns_dtype not in NS_DTYPES:
             raise UserError(f"--ns_dtype={ns_dtype!r}: expected 'float32', 'bfloat16' or '' (chosen per device)")
@@ -312,8 +331,9 @@ class GPT(nn.Module):
         groups = [([self.lm_head.weight], unembedding_lr), ([self.wte.weight], embedding_lr)]
         all_ids = [id(p) for p in matrix_params] + [id(p) for ps, _ in groups for p in ps]
         assert len(all_ids) == len(set(all_ids)) and set(all_ids) == {id(p) for p in self.parameters()}
-        scale = (self.config.model_dim / 768) ** -0.5
-        print0(f"Scaling the LR for the AdamW parameters ∝1/√({self.config.model_dim}/768) = {scale:.6f}")
+        scale = adamw_lr_scale(self.config.model_dim)
+        if not ns_dtype:  # settle the per-device choice now: on CPU under torch.distributed it is one collective
+            ns_dtype_for(self.wte.weight.device)  # (every rank sets up its optimizers; none may decide mid-step)
         on_cuda = self.wte.weight.device.type == "cuda"
         adamw = torch.optim.AdamW([dict(params=ps, lr=lr * scale) for ps, lr in groups], betas=adam_betas, eps=1e-10,
                                   weight_decay=weight_decay, fused=True if on_cuda else None)
@@ -351,8 +371,8 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.wte.weight.dtype
             varlen = flash_attn_varlen_func is not None and idx.is_cuda and dtype in (torch.bfloat16, torch.float16)
             segments = segment_info(doc_ids, varlen)
-            # rows may be longer than the table, segments not (the check reads data: skipped for the fake tensors of
-            # nanotrain.auto_batch_size's memory probes)
+            # rows may be longer than the table, segments not (the check reads data: skipped for fake tensors, which
+            # have none)
             if T > self.rotary_len and not is_fake(idx) and segments.positions.max().item() >= self.rotary_len:
                 raise ValueError(f"a packed sequence exceeds the rotary table length {self.rotary_len}")
             cos_sin = self.cos[0, segments.positions], self.sin[0, segments.positions]  # (B, T, 1, D/2)
@@ -404,3 +424,28 @@ class GPT(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
             yield ids.item()
+
+
+def build_model(model_config, device, checkpoint=None, vocab_size=None, init_device=None):
+    """
+    The GPT every script trains or samples: built on the meta device (no memory), materialised on `init_device`
+    (default `device`; FSDP passes the CPU and shards afterwards), initialised with init_weights() from torch's RNG
+    (seed first for a reproducible init), then loaded from checkpoint["model"] when a checkpoint (a dict of
+    nanotrain.checkpoint.load_checkpoint: "model", "meta", "path") is given. model_config: a GPTConfig (for a
+    checkpoint, normally GPTConfig(**checkpoint["meta"]["model_config"]), max_seq_len may differ: it only sizes the
+    rotary table). vocab_size: the tokenizer's, checked against the checkpoint's vocab_size (or, without one,
+    model_config's). Returns the GPT in training mode with fp32 weights. Raises UserError on a vocab mismatch.
+    """
+    if vocab_size is not None:
+        have = checkpoint["meta"]["model_config"]["vocab_size"] if checkpoint is not None else model_config.vocab_size
+        if have != vocab_size:
+            where = f"the checkpoint {checkpoint['path']}" if checkpoint is not None else "the model config"
+            raise UserError(f"{where} has vocab_size {have} but the tokenizer has {vocab_size}; was the tokenizer "
+                            f"retrained?")
+    with torch.device("meta"):
+        model = GPT(model_config)
+    model.to_empty(device=init_device or device)
+    model.init_weights()
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+    return model

@@ -8,6 +8,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from nanotrain.common import is_distributed
+
 
 @torch.no_grad()
 def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None):
@@ -36,7 +38,7 @@ def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None):
         counted = nbytes > 0
         total_nats += (loss.reshape(-1).double() * counted).sum()
         total_bytes += nbytes.double().sum()
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():  # nats and bytes in one all-reduce
         both = torch.stack([total_nats, total_bytes])
         dist.all_reduce(both, op=dist.ReduceOp.SUM)
         total_nats, total_bytes = both[0], both[1]

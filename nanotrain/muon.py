@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from nanotrain.common import measure_matmul_flops
+from nanotrain.common import is_distributed, measure_matmul_flops
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz coefficients (Keller Jordan 2024, modded-nanogpt)
 
@@ -25,8 +25,7 @@ def zeropower_via_newtonschulz5(G, steps=5, dtype=None):
     """
     Approximate orthogonalisation of G (the polar factor U V^T of G = U S V^T) by `steps` iterations of the quintic
     Newton-Schulz map X <- a X + (b A + c A^2) X with A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315), written as
-    two addmm calls so the scalars ride in the matmuls (no separate elementwise passes: -12% Newton-Schulz time at
-    depth 4 on a 2-core CPU).
+    two addmm calls so the scalars ride in the matmuls (no separate elementwise passes).
     Source: Keller Jordan, "Muon" (2024) and modded-nanogpt.
 
     The coefficients trade exactness for speed: singular values are not driven to exactly 1 but into a band around
@@ -63,12 +62,12 @@ def ns_dtype_for(device):
     """
     The Newton-Schulz compute dtype Muon uses on `device` when none is given: bf16 on CUDA (as modded-nanogpt and
     nanochat). On CPU it depends on the CPU: bf16 only if a (512, 512) bf16 matmul measures at least 2x the fp32
-    throughput (CPUs with AVX512-BF16 or AMX: 4.5x on this project's 2-core AMD EPYC), else fp32 (CPUs that emulate
-    bf16 run it ~4x slower than fp32). The 2x bar keeps the choice stable under timing noise. Measured once per process
+    throughput (CPUs with AVX512-BF16 or AMX), else fp32 (CPUs that emulate bf16 run it several times slower than
+    fp32). The 2x bar keeps the choice stable under timing noise. Measured once per process
     and device type (~0.1 s), with any dispatch mode (FakeTensorMode, MemTracker) switched off. Under torch.distributed
     on CPU the ranks agree (one all-reduce MIN: fp32 unless every rank measured fast bf16), so DDP replicas run the
-    same numerics; the first call is then collective, which is why nanotrain.common.compute_init makes it on every
-    rank right after the process group starts. Returns a torch.dtype.
+    same numerics; the first call is then collective, which is why GPT.setup_optimizers makes it on every rank before
+    the first step. Returns a torch.dtype.
     """
     kind = torch.device(device).type
     if kind not in _NS_DTYPE:
@@ -79,7 +78,7 @@ def ns_dtype_for(device):
                 fp32 = measure_matmul_flops(torch.float32, 512, 0.05)
                 bf16 = measure_matmul_flops(torch.bfloat16, 512, 0.05)
                 fast = torch.tensor(float(bf16 >= 2 * fp32))
-                if dist.is_available() and dist.is_initialized():  # replicas must run the same numerics
+                if is_distributed():  # replicas must run the same numerics
                     dist.all_reduce(fast, op=dist.ReduceOp.MIN)
                 fast = fast.item() > 0  # read here too: under a fake mode .item() of a real tensor is refused
             _NS_DTYPE[kind] = torch.bfloat16 if fast else torch.float32

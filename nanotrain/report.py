@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from nanotrain.common import UserError, atomic_write_json, atomic_write_text, get_base_dir, git_commit, is_master
+from nanotrain.common import UserError, atomic_write_json, atomic_write_text, die, get_base_dir, git_commit, is_master
 
 STAGES = ("base", "mid", "sft", "eval")
 TITLES = {"base": "Base training", "mid": "Midtraining", "sft": "Chat SFT", "eval": "Chat eval"}
@@ -368,7 +368,6 @@ def find_stage_dirs(run_name):
 
 def main(argv=None):
     """`python -m nanotrain.report <run_name>`: rewrites every stage's section found; prints the report path."""
-    from nanotrain.common import die
 
     argv = sys.argv[1:] if argv is None else argv
     try:

@@ -263,7 +263,7 @@ def chat_messages(conversation):
     """
     The (role, content) turns of a conversation as the chat format renders them: a leading system message folded into
     the first user message (system text + "\n\n" + user text), then user and assistant alternating, starting with
-    the user. Checks the structure only (empty text is allowed here; nanotrain.tasks.validate_conversation is stricter).
+    the user. Checks the structure only (empty text is allowed here; nanotrain.conversations.validate_conversation is stricter).
     Raises ValueError with a one-line reason: not a dict with a "messages" list, no messages, a message that is not
     {"role", "content"}, an unknown role, a system message that is not first or not followed by a user message,
     roles out of order, user/system content that is not a str, or assistant content that is neither a str nor a list

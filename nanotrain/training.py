@@ -5,32 +5,81 @@ with FSDP2 (nanotrain.fsdp) go through the same functions.
 The loops themselves stay in the scripts, to be read top to bottom.
 """
 
-import gc
 import json
 import math
 import os
 import signal
+import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, print0
+from nanotrain.common import (
+    UserError,
+    atomic_write_json,
+    check_compile_toolchain,
+    get_base_dir,
+    is_distributed,
+    print0,
+)
 from nanotrain.fsdp import is_fsdp
 from nanotrain.muon import Muon
+from nanotrain.report import write_section
+
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def precision(dtype, device):
     """
     Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and float32 elsewhere. Parameters, gradients and
-    optimizer state stay fp32 in every case (autocast only lowers the matmuls). Returns (name, autocast context).
+    optimizer state stay fp32 in every case (autocast only lowers the matmuls). Returns (compute dtype, autocast
+    context): (torch.bfloat16, torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).
     Raises UserError for anything but "", "bfloat16", "float32".
     """
     name = dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in ("bfloat16", "float32"):
+    if name not in COMPUTE_DTYPES:
         raise UserError(f"--dtype={dtype!r}: expected 'bfloat16', 'float32' or '' (auto)")
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if name == "bfloat16" else nullcontext()
-    return name, ctx
+    compute_dtype = COMPUTE_DTYPES[name]
+    ctx = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    return compute_dtype, ctx
+
+
+def resolve_compile(compile, device):
+    """
+    Resolves the --compile setting: None means on for CUDA and off elsewhere. Returns a bool. Raises UserError
+    (check_compile_toolchain) when compiling on CPU without a C++ compiler.
+    """
+    use_compile = (device.type == "cuda") if compile is None else bool(compile)
+    if use_compile:
+        check_compile_toolchain(device)
+    return use_compile
+
+
+def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size):
+    """
+    The gradient accumulation steps of an optimizer step of total_batch_size tokens made of micro-batches of
+    device_batch_size rows of max_seq_len tokens on world_size ranks: total_batch_size / (device_batch_size *
+    max_seq_len * world_size). Raises UserError when a value is below 1 or the division is not exact; the message
+    names the nearest valid --total_batch_size values and, where one exists, nearby valid --device_batch_size values.
+    """
+    if device_batch_size < 1 or total_batch_size < 1:
+        raise UserError(f"--device_batch_size={device_batch_size} and --total_batch_size={total_batch_size} "
+                        f"must be positive")
+    per = device_batch_size * max_seq_len * world_size
+    if total_batch_size % per == 0:
+        return total_batch_size // per
+    lo, hi = (total_batch_size // per) * per, (total_batch_size // per + 1) * per
+    valid = f"--total_batch_size={lo} or {hi}" if lo > 0 else f"--total_batch_size={hi}"
+    msg = (f"--total_batch_size={total_batch_size} is not a multiple of device_batch_size * max_seq_len * "
+           f"world_size = {device_batch_size} * {max_seq_len} * {world_size} = {per}; nearest valid: {valid}")
+    if total_batch_size % (max_seq_len * world_size) == 0:
+        n = total_batch_size // (max_seq_len * world_size)
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - device_batch_size))[:3]
+        msg += (f", or --device_batch_size in {sorted(near)} (divisors of {total_batch_size} / ({max_seq_len} * "
+                f"{world_size}) = {n})")
+    raise UserError(msg)
 
 
 def lr_multiplier(step, total_steps, warmup_ratio=0.0, warmdown_ratio=0.2, final_lr_frac=0.0):
@@ -89,79 +138,6 @@ def forward_backward(model, inputs, targets, micro_batch_size, autocast_ctx):
     return loss_sum / n_micro
 
 
-def _any_rank(flag, device):
-    """True if `flag` is set on any rank (one all-reduce MAX under torch.distributed; the flag itself otherwise)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    t = torch.tensor(float(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() > 0
-
-
-def forward_backward_or_step_down(model, inputs, targets, micro_batch_size, candidates, autocast_ctx, log=print0):
-    """
-    forward_backward() for runs whose device_batch_size was discovered (nanotrain.auto_batch_size): if any rank runs
-    out of memory, every rank zeroes the gradients, steps down to the next smaller candidate and redoes the step from
-    the start on the same rows, in more micro-batches, so the tokens per step (and the result) are unchanged and no
-    step is skipped or applied twice. Ranks agree after every micro-step (one scalar all-reduce), so an OOM on one rank
-    cannot leave the others waiting in a gradient all-reduce; for that, under DDP the micro-steps run without DDP's
-    sync and the gradients are averaged with one all-reduce per parameter at the end.
-    Returns (mean loss over the rows, the micro-batch size that worked). Raises UserError if the smallest candidate
-    runs out of memory or if the model is sharded with FSDP2 (its all-gathers run inside forward and backward, so a
-    rank that fails there cannot leave the others; use forward_backward); non-OOM errors propagate.
-    """
-    from nanotrain.auto_batch_size import is_oom_error, next_smaller_candidate
-
-    if is_fsdp(model):
-        raise UserError("--fsdp=True: the out-of-memory step-down of --auto_batch_size is not available under FSDP "
-                        "(collectives inside forward/backward); use forward_backward")
-    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    device = inputs.device
-    while True:
-        n_micro = inputs.size(0) // micro_batch_size
-        loss_sum = torch.zeros((), device=device)
-        oom = False
-        for i in range(n_micro):
-            x = inputs[i * micro_batch_size:(i + 1) * micro_batch_size]
-            y = targets[i * micro_batch_size:(i + 1) * micro_batch_size]
-            if is_ddp:
-                model.require_backward_grad_sync = False
-            try:
-                with autocast_ctx:
-                    loss = model(x, y)
-                loss_sum += loss.detach()
-                (loss / n_micro).backward()
-            except Exception as e:  # only OOM is recoverable; cleaned up below, outside the except block
-                if not is_oom_error(e):
-                    raise
-                oom = True
-            loss = None
-            if _any_rank(oom, device):
-                oom = True
-                break
-        if not oom:
-            if is_ddp:
-                world = dist.get_world_size()
-                handles = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters() if p.grad is not None]
-                for h in handles:
-                    h.wait()
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(world)
-            return loss_sum / n_micro, micro_batch_size
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        smaller = next_smaller_candidate(candidates, micro_batch_size)
-        if smaller is None:
-            raise UserError(f"out of memory at device_batch_size={micro_batch_size}, the smallest candidate; use a "
-                            f"smaller --max_seq_len or a smaller model")
-        log(f"out of memory at device_batch_size={micro_batch_size}: stepping down to {smaller} "
-            f"(grad_accum_steps {n_micro} -> {inputs.size(0) // smaller}) and redoing this step")
-        micro_batch_size = smaller
-
-
 def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     """
     One update of every optimizer: clip the (already synchronised, so global) gradient norm to grad_clip if > 0,
@@ -187,18 +163,6 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
         opt.step()
     model.zero_grad(set_to_none=True)
     return grad_norm
-
-
-def global_mean_and_flag(value, flag, device):
-    """
-    All-reduces a per-rank loss (0-dim tensor) and a per-rank stop flag (bool) in one collective.
-    Returns (mean of value over ranks as a float, True if any rank's flag is set). Works without DDP too.
-    """
-    stats = torch.stack([value.detach().float().reshape(()), torch.tensor(float(flag), device=device)])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        stats[0] /= dist.get_world_size()
-    return stats[0].item(), stats[1].item() > 0
 
 
 def check_finite(value, step, run_dir, what="loss"):
@@ -273,6 +237,34 @@ class MetricsLog:
             self.file.close()
 
 
+def open_run_log(run_dir, settings, resume_step, master):
+    """
+    The start of a stage's records: prints the run directory and (rank 0) the final settings, writes them to
+    <run_dir>/config.json atomically, and returns the MetricsLog of the run (resume_step: the step a resumed run
+    continues from, None for a fresh run).
+    """
+    print0(f"Run directory: {run_dir}")
+    if master:
+        print0("Config: " + json.dumps(settings, sort_keys=True))
+        atomic_write_json(os.path.join(run_dir, "config.json"), settings)
+    return MetricsLog(run_dir, resume_step, master)
+
+
+def finish_run(model, run_dir, stage, metrics, t_start, summary):
+    """
+    The end of a training stage: checks that DDP replicas agree (check_replicas), prints the stage's summary line
+    and where the outputs are, closes the metrics log and writes the stage's section of the report card
+    (nanotrain.report.write_section, rank 0) with the stage's wall time since t_start (time.time() seconds).
+    """
+    check_replicas(model)
+    print0(summary)
+    print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
+    metrics.close()
+    report = write_section(os.path.basename(run_dir), stage, run_dir, {"wall_time_s": time.time() - t_start})
+    if report:  # rank 0 only
+        print0(f"Report card: {report}")
+
+
 def check_replicas(model):
     """
     Under DDP: compares a float64 checksum of every parameter across ranks and raises RuntimeError if any rank's
@@ -280,7 +272,7 @@ def check_replicas(model):
     (sharded parameters, no replicas; a full_tensor() is the same all-gather on every rank) nothing is compared: it
     prints a note, waits at a barrier like the DDP path and returns None.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return None
     if is_fsdp(model):
         print0("Replica check: skipped under FSDP (parameters are sharded across ranks, not replicated)")
@@ -298,8 +290,13 @@ def check_replicas(model):
     return sums[0].item()
 
 
-def step_log_line(step, total_steps, loss, grad_norm, lrm, dt, tokens, flops_per_token, peak_flops, world_size):
-    """The one-line log of an optimizer step and the matching metrics row (dt in seconds, tokens in the step)."""
+def step_log_line(step, total_steps, *, loss, grad_norm, lrm, dt, tokens, flops_per_token, peak_flops, world_size):
+    """
+    The one-line log of optimizer step `step` of `total_steps` and its metrics row (a dict: step, loss, lrm, dt,
+    tok_per_sec, mfu). loss: the global mean (float); grad_norm: float or None (not shown); lrm: the lr multiplier;
+    dt: the step's wall time in seconds; tokens: the tokens of the step on all ranks; flops_per_token: training FLOPs
+    per token; peak_flops: one device's peak FLOP/s. Returns (line, row).
+    """
     tok_per_sec = tokens / dt
     mfu = flops_per_token * tokens / dt / (peak_flops * world_size)
     eta = (total_steps - step) * dt

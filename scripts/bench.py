@@ -15,7 +15,7 @@ nanotrain.common.GPU_PEAK_FLOPS (bf16 dense); on CPU: the (n=1024) matmul throug
 this process before and after the timed steps, the larger of the two (a busy machine lowers it, which would inflate
 MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
 torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
-(nanotrain.auto_batch_size.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
+(nanotrain.memory.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
 RSS (getrusage) over the run. --activation_checkpointing=True measures the checkpointed step (both the timing and the
 memory estimate), e.g. --vs="--activation_checkpointing=True" for its cost in tokens/s.
 
@@ -36,17 +36,24 @@ import time
 
 import torch
 
+from nanotrain.auto_batch_size import gpt_builder
 from nanotrain.common import (
     UserError,
-    compute_cleanup,
+    all_reduce_scalar,
     compute_init,
-    die,
-    exit_process,
     get_peak_flops,
+    run_script,
     seed_everything,
     synchronize,
 )
 from nanotrain.configurator import ConfigError, apply_overrides, configure
+from nanotrain.dataloader import TokenLoader
+from nanotrain.dataset import iter_documents, resolve_data_files
+from nanotrain.gpt import build_model, config_from_depth
+from nanotrain.memory import measure_fake_peak
+from nanotrain.muon import ns_dtype_for
+from nanotrain.tokenizer import get_tokenizer
+from nanotrain.training import forward_backward, muon_momentum, optimizer_step, precision
 
 # ----------------------------------------------------------------------------- settings
 depth = 4  # n_layer; model_dim = depth * 64
@@ -74,7 +81,6 @@ pair_steps = 2  # --vs: timed steps per configuration per round
 config = configure(globals())
 # -----------------------------------------------------------------------------
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def percentile(xs, q):
@@ -142,22 +148,15 @@ class Setup:
     """
 
     def __init__(self, cfg, tokenizer, train_files, device):
-        from nanotrain.dataloader import TokenLoader
-        from nanotrain.gpt import GPT, config_from_depth
-        from nanotrain.training import precision
-
         self.cfg, self.device = cfg, device
-        self.amp, self.autocast_ctx = precision(cfg["dtype"], device)
+        self.compute_dtype, self.autocast_ctx = precision(cfg["dtype"], device)
         self.model_config = config_from_depth(cfg["depth"], tokenizer.get_vocab_size(), cfg["max_seq_len"])
         self.grad_accum_steps = cfg["total_batch_size"] // (cfg["device_batch_size"] * cfg["max_seq_len"])
         self.default_threads = torch.get_num_threads()
         self.activate()
         seed_everything(cfg["seed"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
-            with torch.device("meta"):
-                model = GPT(self.model_config)
-            model.to_empty(device=device)
-            model.init_weights()
+            model = build_model(self.model_config, device)
             self.optimizers = model.setup_optimizers(ns_dtype=cfg["ns_dtype"])
         if cfg["adamw"]:
             self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
@@ -175,13 +174,11 @@ class Setup:
 
     def step(self):
         """One optimizer step exactly as base_train's loop runs it (loader, micro-steps, loss sync, update)."""
-        from nanotrain.training import forward_backward, global_mean_and_flag, muon_momentum, optimizer_step
-
         synchronize(self.device)
         t0 = time.perf_counter()
         x, y = self.loader.next_batch(self.cfg["device_batch_size"] * self.grad_accum_steps)
         loss = forward_backward(self.model, x, y, self.cfg["device_batch_size"], self.autocast_ctx)
-        global_mean_and_flag(loss, False, self.device)  # the per-step .item() base_train does
+        all_reduce_scalar(loss, "mean", self.device)  # the per-step .item() base_train does
         optimizer_step(self.orig_model, self.optimizers, 1.0, muon_momentum(self.step_count), 1.0)
         synchronize(self.device)
         self.step_count += 1
@@ -189,8 +186,6 @@ class Setup:
 
     def loader_tokens_per_sec(self, seconds):
         """Input tokens/s of a fresh TokenLoader alone (same rows per step, same prefetch), after one warm batch."""
-        from nanotrain.dataloader import TokenLoader
-
         rows = self.cfg["device_batch_size"] * self.grad_accum_steps
         loader = TokenLoader(self.tokenizer, self.train_files, rows, self.cfg["max_seq_len"], self.device,
                              prefetch=self.loader.prefetch)
@@ -209,15 +204,13 @@ class Setup:
             return torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
         if not self.cfg["memory_estimate"]:
             return None, "not measured (--memory_estimate=False)"
-        from nanotrain.auto_batch_size import gpt_builder, measure_fake_peak
-
         build = gpt_builder(self.model_config, activation_checkpointing=self.cfg["activation_checkpointing"])
         state = torch.get_rng_state()
         peak = measure_fake_peak(build, self.cfg["device_batch_size"], max_seq_len=self.cfg["max_seq_len"],
                                  vocab_size=self.model_config.vocab_size, device=self.device,
-                                 amp_dtype=torch.bfloat16 if self.amp == "bfloat16" else None)
+                                 amp_dtype=self.compute_dtype)
         torch.set_rng_state(state)
-        return peak, "MemTracker estimate of the eager training step (auto_batch_size.measure_fake_peak)"
+        return peak, "MemTracker estimate of the eager training step (nanotrain.memory.measure_fake_peak)"
 
 
 def tokenizer_throughput(tokenizer, train_files, num_threads=4, max_chars=1_000_000, repeats=3):
@@ -225,8 +218,6 @@ def tokenizer_throughput(tokenizer, train_files, num_threads=4, max_chars=1_000_
     Encode throughput of tokenizer.encode(list of documents, num_threads) on the first documents of the data
     (up to max_chars characters), best of `repeats`: {"chars_per_sec", "tokens_per_sec", "docs", "chars", ...}.
     """
-    from nanotrain.dataset import iter_documents
-
     docs, chars = [], 0
     for _, text in iter_documents(train_files):
         docs.append(text)
@@ -243,18 +234,16 @@ def tokenizer_throughput(tokenizer, train_files, num_threads=4, max_chars=1_000_
             "tokens": n_tokens, "num_threads": num_threads}
 
 
-def measure_peaks(device, amps, peaks):
-    """Appends one get_peak_flops(device, dtype) measurement per precision name in `amps` to peaks[amp] (a list of
-    (FLOP/s, source)). On CUDA the datasheet figure, measured once."""
-    for amp in dict.fromkeys(amps):
-        if device.type != "cuda" or not peaks.get(amp):
-            peaks.setdefault(amp, []).append(get_peak_flops(device, DTYPES[amp]))
+def measure_peaks(device, dtypes, peaks):
+    """Appends one get_peak_flops(device, dtype) measurement per compute dtype in `dtypes` to peaks[dtype] (a list
+    of (FLOP/s, source)). On CUDA the datasheet figure, measured once."""
+    for dtype in dict.fromkeys(dtypes):
+        if device.type != "cuda" or not peaks.get(dtype):
+            peaks.setdefault(dtype, []).append(get_peak_flops(device, dtype))
 
 
 def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta):
     """The result object of one configuration (see the module docstring)."""
-    from nanotrain.muon import ns_dtype_for
-
     st = time_stats(times)
     tokens_per_sec = s.cfg["total_batch_size"] / st["median"]
     achieved = s.flops_per_token * tokens_per_sec
@@ -266,7 +255,7 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
                                               "dtype", "compile", "activation_checkpointing", "threads", "adamw",
                                               "ns_dtype", "data")},
                        prefetch=s.loader.prefetch),
-        "dtype": s.amp, "grad_accum_steps": s.grad_accum_steps,
+        "dtype": str(s.compute_dtype).removeprefix("torch."), "grad_accum_steps": s.grad_accum_steps,
         "ns_dtype": s.cfg["ns_dtype"] or str(ns_dtype_for(s.device)).replace("torch.", ""),
         "model": {"n_layer": c.n_layer, "model_dim": c.model_dim, "n_head": c.n_head, "vocab_size": c.vocab_size,
                   "num_params": s.num_params},
@@ -307,8 +296,6 @@ def busy_machine_warnings(results, system):
 
 
 def main():
-    from nanotrain.dataset import resolve_data_files
-    from nanotrain.tokenizer import get_tokenizer
 
     is_ddp, _, _, _, device = compute_init(device_type)
     if is_ddp:
@@ -333,7 +320,7 @@ def main():
     if cfg_b is not None:
         setups.append(Setup(cfg_b, tokenizer, train_files, device))
     peaks = {}
-    measure_peaks(device, [st.amp for st in setups], peaks)
+    measure_peaks(device, [st.compute_dtype for st in setups], peaks)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -354,13 +341,13 @@ def main():
                 round_tps[i] = setups[i].cfg["total_batch_size"] / statistics.median(t)
             ratios.append(round_tps[1] / round_tps[0])
     rss_delta = peak_rss_bytes() - rss0 if cfg_b is None and device.type == "cpu" else None
-    measure_peaks(device, [st.amp for st in setups], peaks)  # again after the steps (CPU): the max is used
+    measure_peaks(device, [st.compute_dtype for st in setups], peaks)  # again after the steps (CPU): the max is used
 
     results = []
     for st, t, w in zip(setups, times, warm):
         st.activate()
-        samples = [f for f, _ in peaks[st.amp]]
-        source = peaks[st.amp][0][1]
+        samples = [f for f, _ in peaks[st.compute_dtype]]
+        source = peaks[st.compute_dtype][0][1]
         if device.type != "cuda":
             source += f" (1024x1024), max of {len(samples)} measurements before/after the timed steps"
         results.append(summarize(st, t, w, max(samples), source, samples, rss_delta))
@@ -383,10 +370,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
-    finally:
-        compute_cleanup()
-    exit_process(0)  # not sys.exit: see nanotrain.common.exit_process
+    run_script(main)

@@ -12,8 +12,9 @@ import sys
 
 import torch
 
-from nanotrain.common import UserError, autodetect_device_type, die
+from nanotrain.common import UserError, autodetect_device_type, run_script
 from nanotrain.configurator import configure
+from nanotrain.engine import Engine, load_model
 
 for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` -> --prompt=text
     if _arg == "-p":
@@ -33,7 +34,6 @@ config = configure(globals())
 
 
 def main():
-    from nanotrain.engine import Engine, load_model
 
     device = torch.device(device_type or autodetect_device_type())
     model, tokenizer, path, _ = load_model(source, run_name, step, device)
@@ -84,7 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
+    run_script(main)

@@ -16,9 +16,12 @@ import time
 
 import torch
 
-from nanotrain.common import UserError, atomic_write_json, autodetect_device_type, die
+from nanotrain.common import UserError, atomic_write_json, autodetect_device_type, run_script
 from nanotrain.configurator import configure
+from nanotrain.conversations import load_jsonl
+from nanotrain.engine import Engine, load_model
 from nanotrain.report import write_section
+from nanotrain.tasks import grade, load_task
 
 source = "sft"  # which stage's checkpoint: sft | mid | base
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -34,8 +37,6 @@ config = configure(globals())
 
 def main():
     t_start = time.time()  # wall time of the evaluation, for the report card
-    from nanotrain.engine import Engine, load_model
-    from nanotrain.tasks import grade, load_jsonl, load_task
 
     device = torch.device(device_type or autodetect_device_type())
     names = [t.strip() for t in tasks.split(",") if t.strip()]
@@ -76,7 +77,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
+    run_script(main)

@@ -19,39 +19,57 @@ init_lr_frac 0.8 as nanochat HEAD; on the CPU recipe's depth-4 model after mid-t
 Outputs go to <base_dir>/sft/<run>/ (config.json, metrics.jsonl, checkpoints/), read by chat_cli.py and chat_eval.py.
 """
 
-import json
 import os
 import time
 
 import torch
 
-from nanotrain.auto_batch_size import discover_device_batch_size
-from nanotrain.checkpoint import find_run_dir, get_run_dir, load_latest, rng_state, save_checkpoint, set_rng_state
+from nanotrain.auto_batch_size import discover_device_batch_size, sft_builder
+from nanotrain.checkpoint import (
+    check_resume,
+    find_run_dir,
+    get_run_dir,
+    load_latest,
+    load_optimizers,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from nanotrain.common import (
     UserError,
-    atomic_write_json,
-    check_compile_toolchain,
-    compute_cleanup,
+    all_reduce_scalar,
+    any_rank,
     compute_init,
-    die,
-    exit_process,
-    get_base_dir,
     get_peak_flops,
     print0,
+    rng_state,
+    run_script,
     seed_everything,
+    set_rng_state,
     synchronize,
 )
 from nanotrain.configurator import configure
-from nanotrain.report import write_section
+from nanotrain.conversations import load_task_mixture
+from nanotrain.engine import Engine
+from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.sft_data import (
+    LONG_POLICIES,
+    ConversationSampler,
+    backward_step,
+    evaluate_loss,
+    fit_conversation,
+    lpt_pack,
+    micro_batch,
+)
+from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
-    MetricsLog,
     StopSignals,
     check_finite,
-    check_replicas,
-    global_mean_and_flag,
+    finish_run,
     lr_multiplier,
+    open_run_log,
     optimizer_step,
     precision,
+    resolve_compile,
     step_log_line,
 )
 
@@ -72,11 +90,11 @@ batch_size_margin = 0.85  # fraction of device memory the training step may use 
 batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
 device_memory_gb = None  # device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
 max_batch_size = None  # upper bound for the discovered rows of max_seq_len tokens per micro-batch (None: 64)
-device_batch_size = 32  # at most this many conversations per micro-batch per rank
+max_conversations_per_device = 32  # at most this many conversations per micro-batch per rank
 packing = True  # padding-free packed rows; False: one padded row per conversation
-max_seq_len = -1  # longest conversation in tokens; -1: the source checkpoint's max_seq_len
+max_seq_len = None  # longest conversation in tokens; None: the source checkpoint's max_seq_len
 long_conversations = "truncate"  # conversations longer than min(max_seq_len, max_tokens_per_device): truncate | drop
-num_iterations = -1  # optimizer steps; -1 is one epoch (conversations // examples_per_step)
+num_iterations = None  # optimizer steps; None is one epoch (conversations // examples_per_step)
 # optimizer: base_train's learning rates times init_lr_frac, linear decay to 0 over the run (nanochat chat_sft)
 init_lr_frac = 0.8  # multiplier of all the lrs below (nanochat HEAD: 0.8; v0: 0.02 for d20 after mid-training)
 matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
@@ -95,10 +113,11 @@ keep_last = 2  # checkpoints kept on disk (0 keeps all)
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
-compile = False  # torch.compile the model (packed rows vary in length, so it recompiles often: off by default)
+compile = False  # torch.compile the model; None means on for CUDA (packed rows vary in length: recompiles, so off)
 activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
-config = configure(globals(), none_types={"max_tokens_per_device": (int,), "device_memory_gb": (float,),
-                                          "max_batch_size": (int,)})
+config = configure(globals(), none_types={"num_iterations": (int,), "max_tokens_per_device": (int,),
+                                          "device_memory_gb": (float,), "max_batch_size": (int,),
+                                          "max_seq_len": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
 RESUME_KEYS = ("tasks", "jsonl", "skip_bad_rows", "seed", "examples_per_step", "max_seq_len", "long_conversations")
@@ -124,7 +143,6 @@ def find_source_dir():
 
 def render_all(tokenizer, convs, max_len):
     """Renders conversations and applies the long-conversation policy. Returns ([(ids, mask)], truncated, dropped)."""
-    from nanotrain.sft_data import fit_conversation
     out, counts = [], {"ok": 0, "truncated": 0, "dropped": 0}
     for c in convs:
         ids, mask = tokenizer.render_conversation(c, max_tokens=2**62)
@@ -135,126 +153,63 @@ def render_all(tokenizer, convs, max_len):
     return out, counts["truncated"], counts["dropped"]
 
 
-class PackedRows(torch.nn.Module):
-    """
-    The memory shape chat_sft trains for the batch-size probes: B rows of T tokens run as one packed row of B*T
-    tokens with B segments (block-diagonal attention), or as B padded rows with packing=False.
-    """
-
-    def __init__(self, model, packing):
-        super().__init__()
-        self.model, self.packing = model, packing
-
-    def forward(self, x, y):
-        if not self.packing:
-            return self.model(x, y)
-        B, T = x.shape
-        doc_ids = torch.arange(B, device=x.device).repeat_interleave(T).view(1, B * T)
-        return self.model(x.reshape(1, B * T), y.reshape(1, B * T), doc_ids=doc_ids)
-
-
-def sft_builder(model_config, packing, activation_checkpointing=False, **optimizer_kwargs):
-    """build_model(device) -> (PackedRows(GPT), [adamw, muon]) for nanotrain.auto_batch_size (see gpt_builder)."""
-    from nanotrain.gpt import GPT
-
-    def build_model(device):
-        with torch.device(device):
-            model = GPT(model_config)
-        model.init_weights()
-        model.activation_checkpointing = bool(activation_checkpointing)
-        return PackedRows(model, packing), model.setup_optimizers(**optimizer_kwargs)
-    build_model.key_fields = {"gpt_config": dict(vars(model_config)), "packing": packing,
-                              "activation_checkpointing": bool(activation_checkpointing),
-                              "optimizer_kwargs": dict(optimizer_kwargs)}
-    return build_model
-
-
 def main():
     t_start = time.time()  # wall time of the stage, for the report card
-    from nanotrain.engine import Engine
-    from nanotrain.gpt import GPT, GPTConfig
-    from nanotrain.sft_data import (
-        LONG_POLICIES,
-        ConversationSampler,
-        backward_step,
-        evaluate_loss,
-        lpt_pack,
-        micro_batch,
-    )
-    from nanotrain.tasks import load_task_mixture
-    from nanotrain.tokenizer import get_tokenizer
-
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    signals = StopSignals()
-    amp, autocast_ctx = precision(dtype, device)
-    use_compile = compile
-    if use_compile:
-        check_compile_toolchain(device)
+    signals = StopSignals()  # the first SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0
+    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
+    use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     tokenizer = get_tokenizer()
     if long_conversations not in LONG_POLICIES:
         raise UserError(f"--long_conversations={long_conversations!r}: expected one of {', '.join(LONG_POLICIES)}")
-    global max_tokens_per_device
+    max_tokens_per_device = config["max_tokens_per_device"]
     if max_tokens_per_device is not None and auto_batch_size:
         print0(f"--max_tokens_per_device={max_tokens_per_device} given: skipping the automatic discovery")
     if max_tokens_per_device is None and not auto_batch_size:
         max_tokens_per_device = 2048
-    if min(examples_per_step, max_tokens_per_device or 1, device_batch_size) < 1:
+    if min(examples_per_step, max_tokens_per_device or 1, max_conversations_per_device) < 1:
         raise UserError(f"--examples_per_step={examples_per_step}, --max_tokens_per_device={max_tokens_per_device} "
-                        f"and --device_batch_size={device_batch_size} must be >= 1")
+                        f"and --max_conversations_per_device={max_conversations_per_device} must be >= 1")
 
-    # this run's checkpoint (resume) or the source checkpoint (fresh run)
+    # the starting point: this run's checkpoint (resume) or the source checkpoint (fresh run)
     source_dir, stage = (None, None) if (resume and run_name) else find_source_dir()
-    run_name_ = run_name or os.path.basename(source_dir)
-    run_dir = get_run_dir("sft", run_name_)
-    ckpt = load_latest(run_dir, device, rank) if resume else None
+    run_dir = get_run_dir("sft", run_name or os.path.basename(source_dir))
+    ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     src = None
     if ckpt is None:
-        if resume:
-            print0(f"warning: --resume=True but {run_dir} has no complete checkpoint; starting fresh")
         if source_dir is None:
             source_dir, stage = find_source_dir()
         src = load_latest(source_dir, device, rank, load_optimizer=False)
         if src is None:
             raise UserError(f"{source_dir} has no readable checkpoint; train one first")
     start = ckpt if ckpt is not None else src
-    T = max_seq_len if max_seq_len > 0 else start["meta"]["max_seq_len"]
-    settings = dict(config, max_seq_len=T)
+    max_seq_len = config["max_seq_len"] or start["meta"]["max_seq_len"]
+    settings = dict(config, max_seq_len=max_seq_len)
     if ckpt is not None:
-        old = ckpt["meta"]["config"]
-        for key in RESUME_KEYS:
-            if old[key] != settings[key]:
-                raise UserError(f"--resume=True: the checkpoint in {run_dir} has {key}={old[key]!r} but this run "
-                                f"has --{key}={settings[key]!r}")
-        if ckpt["meta"]["world_size"] != world_size or ckpt["rank_state"] is None:
-            raise UserError(f"--resume=True: the checkpoint {ckpt['path']} was written with world_size "
-                            f"{ckpt['meta']['world_size']}; resume with the same number of processes ({world_size})")
-    if tokenizer.get_vocab_size() != start["meta"]["model_config"]["vocab_size"]:
-        raise UserError(f"the checkpoint {start['path']} has vocab_size {start['meta']['model_config']['vocab_size']}"
-                        f" but the tokenizer has {tokenizer.get_vocab_size()}; was the tokenizer retrained?")
+        check_resume(ckpt, run_dir, settings, RESUME_KEYS, world_size)
+    model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=max_seq_len))
+    opt_kwargs = dict(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
+                      unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay, ns_dtype=ns_dtype)
 
-    # automatic batch size: the largest micro-batch of B rows of T tokens (one packed row of B*T tokens, or B padded
-    # rows) whose training step fits; then max_tokens_per_device = B*T. Probed before the model is built.
-    model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=T))
-    ab_record = None
+    # automatic batch size: the largest micro-batch of B rows of max_seq_len tokens (one packed row of
+    # B*max_seq_len tokens, or B padded rows) whose training step fits; then max_tokens_per_device = B*max_seq_len.
+    # Probed before the model is built.
     if max_tokens_per_device is None:
-        build = sft_builder(model_config, packing, activation_checkpointing, matrix_lr=matrix_lr * init_lr_frac,
-                            embedding_lr=embedding_lr * init_lr_frac, unembedding_lr=unembedding_lr * init_lr_frac,
-                            weight_decay=weight_decay, ns_dtype=ns_dtype)
-        rows, ab_record = discover_device_batch_size(
-            build, max_seq_len=T, vocab_size=model_config.vocab_size, total_batch_size=T * world_size * 64,
-            world_size=world_size, device=device, amp_dtype=torch.bfloat16 if amp == "bfloat16" else None,
-            compile=use_compile, margin=batch_size_margin, device_memory_gb=device_memory_gb,
-            max_batch_size=max_batch_size, use_cache=batch_size_cache, key_fields={"stage": "sft"})
-        max_tokens_per_device = rows * T
-        print0(f"max_tokens_per_device = {rows} x {T} = {max_tokens_per_device:,}")
-        if master:
-            atomic_write_json(os.path.join(run_dir, "auto_batch_size.json"), ab_record)
+        build = sft_builder(model_config, packing, activation_checkpointing, **opt_kwargs)
+        rows, _ = discover_device_batch_size(
+            build, max_seq_len=max_seq_len, vocab_size=model_config.vocab_size,
+            total_batch_size=max_seq_len * world_size * 64, world_size=world_size, device=device,
+            amp_dtype=compute_dtype, compile=use_compile, margin=batch_size_margin, device_memory_gb=device_memory_gb,
+            max_batch_size=max_batch_size, use_cache=batch_size_cache, key_fields={"stage": "sft"},
+            record_path=os.path.join(run_dir, "auto_batch_size.json"))
+        max_tokens_per_device = rows * max_seq_len
+        print0(f"max_tokens_per_device = {rows} x {max_seq_len} = {max_tokens_per_device:,}")
 
     # data: every rank renders all conversations (lpt_pack needs every length) and takes its share of each step
     t0 = time.time()
     spec = tasks + (f",jsonl:{jsonl}" if jsonl else "")
-    max_len = min(T, max_tokens_per_device)
+    max_len = min(max_seq_len, max_tokens_per_device)
     train, n_trunc, n_drop = render_all(tokenizer, load_task_mixture(spec, "train", seed, skip_bad_rows), max_len)
     val_convs = load_task_mixture(spec, "val", seed, skip_bad_rows)[:eval_examples]
     val, v_trunc, v_drop = render_all(tokenizer, val_convs, max_len)
@@ -266,47 +221,44 @@ def main():
         sampler.load_state_dict(ckpt["rank_state"]["sampler"])
         set_rng_state(ckpt["rank_state"]["rng"], device)
     epoch_steps = max(1, len(train) // examples_per_step)
-    total_steps = num_iterations if num_iterations > 0 else epoch_steps
+    if num_iterations is not None and num_iterations < 1:
+        raise UserError(f"--num_iterations={num_iterations}: expected an integer >= 1, or None (one epoch)")
+    total_steps = num_iterations if num_iterations is not None else epoch_steps
     pad_id = tokenizer.get_bos_token_id()
 
     def batches_of(examples):
         """This rank's micro-batches of a list of (ids, mask); the plan is the same on every rank."""
-        plan = lpt_pack([len(ids) for ids, _ in examples], max_tokens_per_device, world_size, device_batch_size,
-                        padded=not packing)
+        plan = lpt_pack([len(ids) for ids, _ in examples], max_tokens_per_device, world_size,
+                        max_conversations_per_device, padded=not packing)
         return [micro_batch([examples[i] for i in mb[rank]], packing, pad_id, device) for mb in plan]
 
-    # model
+    # model: the source weights (or this run's checkpoint) in fp32, then its optimizers, compiled and wrapped
     seed_everything(seed)
-    with torch.device("meta"):
-        model = GPT(model_config)
-    model.to_empty(device=device)
-    model.init_weights()
-    model.load_state_dict(start["model"])
+    model = build_model(model_config, device, start, tokenizer.get_vocab_size())
+    source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
+    del src, start
     model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
-    optimizers = model.setup_optimizers(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
-                                        unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay,
-                                        ns_dtype=ns_dtype)
+    optimizers = model.setup_optimizers(**opt_kwargs)
     if ckpt is not None:
-        for opt, state in zip(optimizers, ckpt["optim"]):
-            opt.load_state_dict(state)
+        load_optimizers(model, optimizers, ckpt["optim"])
     if use_compile:
         model = torch.compile(model, dynamic=True)
     if is_ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                           else None)
-    source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
-    del src
 
     # logging
-    peak_flops, peak_source = get_peak_flops(device, torch.float32 if amp == "float32" else torch.bfloat16)
+    peak_flops, peak_source = get_peak_flops(device, compute_dtype)
     mean_len = sum(len(ids) for ids, _ in train) / len(train)
-    print0(f"Device: {device} x {world_size} | dtype {amp} | compile {use_compile}")
+    print0(f"Device: {device} x {world_size} | dtype {str(compute_dtype).removeprefix('torch.')} | "
+           f"compile {use_compile}")
     print0(f"Source: {source_path}" + (f" ({stage})" if ckpt is None else f" (resuming from {ckpt['path']})"))
     print0(f"Model: n_layer {model_config.n_layer}, model_dim {model_config.model_dim}, n_head {model_config.n_head}, "
            f"vocab {model_config.vocab_size:,}, params {num_params:,}, FLOPs/token {flops_per_token:.3e}")
+    print0(f"AdamW lrs scaled by (model_dim/768)**-0.5 = {adamw_lr_scale(model_config.model_dim):.6f}")
     print0(f"Data: {spec} | {len(train):,} train conversations (mean {mean_len:.0f} tokens), {len(val):,} val "
            f"({time.time() - t0:.1f}s to load and render)")
     print0(f"Long conversations (> {max_len} tokens, --long_conversations={long_conversations}): train "
@@ -315,19 +267,16 @@ def main():
         print0(f"warning: {100 * n_drop / (len(train) + n_drop):.0f}% of the training conversations were dropped; "
                f"raise --max_seq_len / --max_tokens_per_device or use --long_conversations=truncate")
     print0(f"Batch: {examples_per_step} conversations per step; micro-batches of <= {max_tokens_per_device:,} tokens "
-           f"and <= {device_batch_size} conversations per rank; {'packed' if packing else 'padded'} rows")
+           f"and <= {max_conversations_per_device} conversations per rank; {'packed' if packing else 'padded'} rows")
     print0(f"Steps: {total_steps:,} ({total_steps / epoch_steps:.2f} epochs of {epoch_steps} steps)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    print0(f"Run directory: {run_dir}")
-    if master:
-        print0("Config: " + json.dumps(settings, sort_keys=True))
-        atomic_write_json(os.path.join(run_dir, "config.json"), settings)
-    metrics = MetricsLog(run_dir, ckpt["meta"]["step"] if ckpt is not None else None, master)
+    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
-                "train_time": train_time, "max_seq_len": T, "source": source_path,
-                "device_batch_size": device_batch_size, "examples_per_step": examples_per_step}
+                "train_time": train_time, "max_seq_len": max_seq_len, "source": source_path,
+                "max_conversations_per_device": max_conversations_per_device,
+                "examples_per_step": examples_per_step}
         rank_state = {"rng": rng_state(device), "sampler": sampler.state_dict()}
         path = save_checkpoint(run_dir, step, orig_model, optimizers, meta, rank_state, rank, world_size, keep_last)
         print0(f"Saved checkpoint {path}")
@@ -340,18 +289,22 @@ def main():
     stop = False
     while True:
         last_step = step == total_steps or stop
-        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]  # its checkpoint exists already
+        # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
+        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]
         if step > 0 and (last_step or (save_every > 0 and step % save_every == 0)) and not (
                 resumed_here and not last_step):
             checkpoint(step, tokens_seen, train_time)
         if stop:
-            print0(f"Stopped at step {step} on request; resume with --resume=True --run_name={run_name_}")
+            print0(f"Stopped at step {step} on request; resume with --resume=True "
+                   f"--run_name={os.path.basename(run_dir)}")
             break
-        if val and (last_step or (eval_every > 0 and step % eval_every == 0)):  # again after a resume
+        # validation loss on held-out conversations (also at the resume step: see MetricsLog)
+        if val and (last_step or (eval_every > 0 and step % eval_every == 0)):
             t0 = time.time()
             val_loss = evaluate_loss(orig_model, batches_of(val), autocast_ctx)
             print0(f"step {step:05d}/{total_steps:05d} | val loss {val_loss:.6f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_loss=val_loss)
+        # greedy answers to a few validation questions
         if master and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
             engine = Engine(orig_model, tokenizer)
             for c in val_convs[:3]:
@@ -362,13 +315,16 @@ def main():
         if last_step:
             break
 
-        # one optimizer step: this rank's micro-batches of the next examples_per_step conversations
+        # one optimizer step: this rank's micro-batches of the next examples_per_step conversations; the loss is the
+        # mean over every trained token of the step on all ranks (backward_step scales each micro-batch's sum)
         synchronize(device)
         t0 = time.time()
         examples = [train[i] for i in sampler.take(examples_per_step)]
         batches = batches_of(examples)
         scaled_loss, count = backward_step(model, batches, autocast_ctx)
-        train_loss, stop = global_mean_and_flag(scaled_loss, signals.requested, device)
+        train_loss = all_reduce_scalar(scaled_loss, "mean", device)  # the global token mean
+        stop = any_rank(signals.requested, device)  # every rank stops after the same step
+        # clip, set the scheduled lr, update, zero the gradients (no update for a step without a trained token)
         lrm = lr_multiplier(step, total_steps, 0.0, warmdown_ratio, 0.0)
         if count == 0:
             print0(f"warning: step {step + 1} has no trained token (all masked); skipping the update")
@@ -383,29 +339,20 @@ def main():
         step += 1
         step_tokens = sum(len(ids) for ids, _ in examples)
         tokens_seen += step_tokens
-        if step > 1 or ckpt is not None:
+        if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
             train_time += dt
-        gn = None if grad_norm is None else grad_norm.item()
-        line, row = step_log_line(step, total_steps, train_loss if count else float("nan"), gn, lrm, dt, step_tokens,
-                                  flops_per_token, peak_flops, world_size)
+        line, row = step_log_line(step, total_steps, loss=train_loss if count else float("nan"),
+                                  grad_norm=None if grad_norm is None else grad_norm.item(), lrm=lrm, dt=dt,
+                                  tokens=step_tokens, flops_per_token=flops_per_token, peak_flops=peak_flops,
+                                  world_size=world_size)
         print0(f"{line} | targets {count} | micro-batches {len(batches)}")
         metrics.log(**row, tokens=tokens_seen, targets=count, micro_batches=len(batches), epoch=sampler.epoch)
 
-    check_replicas(orig_model)
-    print0(f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
-           f"final val loss {val_loss if val_loss is None else round(val_loss, 4)}")
-    print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
-    metrics.close()
-    report = write_section(os.path.basename(run_dir), "sft", run_dir, {"wall_time_s": time.time() - t_start})
-    if report:  # rank 0 only
-        print0(f"Report card: {report}")
+    # the end: replicas agree, the summary, the report card section
+    summary = (f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
+               f"final val loss {val_loss if val_loss is None else round(val_loss, 4)}")
+    finish_run(orig_model, run_dir, "sft", metrics, t_start, summary)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
-    finally:
-        compute_cleanup()
-    exit_process(0)  # not sys.exit: see nanotrain.common.exit_process
+    run_script(main)

@@ -10,12 +10,15 @@ the checkpoint model's: identical for a float32 export, within bf16 rounding for
 """
 
 import os
-import sys
 
 import torch
 
-from nanotrain.common import UserError, die
+from nanotrain.checkpoint import find_run_dir, list_checkpoints
+from nanotrain.common import UserError, run_script
 from nanotrain.configurator import configure
+from nanotrain.engine import load_model
+from nanotrain.export import export_safetensors, load_safetensors, tokenizer_sha256
+from nanotrain.tokenizer import get_tokenizer_dir
 
 source = "sft"  # which training stage's checkpoints: base | mid | sft
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -30,7 +33,6 @@ DTYPES = {"": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def checkpoint_path(stage, run, at_step):
     """The checkpoint directory load_model will read (for error messages), or "" if there is none."""
-    from nanotrain.checkpoint import find_run_dir, list_checkpoints
 
     run_dir = find_run_dir(stage, run)
     paths = list_checkpoints(run_dir) if run_dir is not None else []
@@ -39,9 +41,6 @@ def checkpoint_path(stage, run, at_step):
 
 
 def main():
-    from nanotrain.engine import load_model
-    from nanotrain.export import export_safetensors, load_safetensors, tokenizer_sha256
-    from nanotrain.tokenizer import get_tokenizer_dir
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r}: expected '', 'float32' or 'bfloat16'")
@@ -70,8 +69,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
-    sys.exit(0)
+    run_script(main)

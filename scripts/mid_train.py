@@ -12,43 +12,53 @@ Conversations run across row boundaries with plain causal attention, as document
 Outputs go to <base_dir>/mid/<run>/ (config.json, metrics.jsonl, checkpoints/), read by scripts/chat_sft.py.
 """
 
-import json
 import os
 import time
 
 import torch
-import torch.distributed as dist
 
-from nanotrain.auto_batch_size import discover_device_batch_size, drop_cached, gpt_builder
-from nanotrain.checkpoint import find_run_dir, get_run_dir, load_latest, rng_state, save_checkpoint, set_rng_state
+from nanotrain.auto_batch_size import OOMStepDown, discover_device_batch_size, gpt_builder
+from nanotrain.checkpoint import (
+    check_resume,
+    find_run_dir,
+    get_run_dir,
+    load_latest,
+    load_optimizers,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from nanotrain.common import (
     UserError,
-    atomic_write_json,
-    check_compile_toolchain,
-    compute_cleanup,
+    all_reduce_scalar,
+    any_rank,
     compute_init,
-    die,
-    exit_process,
-    get_base_dir,
     get_peak_flops,
     print0,
+    rng_state,
+    run_script,
     seed_everything,
+    set_rng_state,
     synchronize,
 )
 from nanotrain.configurator import configure
-from nanotrain.report import write_section
+from nanotrain.conversations import load_task_mixture
+from nanotrain.dataloader import ConversationTokenStream
+from nanotrain.engine import Engine
+from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
-    MetricsLog,
     StopSignals,
     check_finite,
-    check_replicas,
+    finish_run,
     forward_backward,
-    forward_backward_or_step_down,
-    global_mean_and_flag,
+    grad_accum_steps_for,
     lr_multiplier,
     muon_momentum,
+    open_run_log,
     optimizer_step,
     precision,
+    resolve_compile,
     step_log_line,
 )
 
@@ -58,16 +68,16 @@ base_run_name = ""  # the base run to start from; "" picks the base run with the
 tasks = "arith:1,spell:1,identity:4"  # task mixture: NAME[:WEIGHT] of arith, spell, identity, jsonl:PATH, hf:NAME
 device_type = ""  # cuda | mps | cpu; "" autodetects
 seed = 42  # seed of the task generation and of the data order
-# batch (-1: the base checkpoint's value)
-max_seq_len = -1  # tokens per row (context length)
-device_batch_size = -1  # rows per micro-batch per device (-1 with --auto_batch_size=True: discovered)
-total_batch_size = -1  # tokens per optimizer step, all ranks and micro-batches together
+# batch (None: the base checkpoint's value)
+max_seq_len = None  # tokens per row (context length)
+device_batch_size = None  # rows per micro-batch per device (None with --auto_batch_size=True: discovered)
+total_batch_size = None  # tokens per optimizer step, all ranks and micro-batches together
 auto_batch_size = False  # discover the largest device_batch_size that fits (only grad_accum_steps changes)
 batch_size_margin = 0.85  # fraction of device memory the training step may use (bytes, not batch units)
 batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
 device_memory_gb = None  # device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
 max_batch_size = None  # upper bound for discovered device_batch_size (None: no bound)
-num_iterations = -1  # optimizer steps; -1 is one epoch of the training mixture
+num_iterations = None  # optimizer steps; None is one epoch of the training mixture
 # optimizer: base_train's learning rates times init_lr_frac (nanochat mid_train: 1.0)
 init_lr_frac = 1.0  # multiplier of all the lrs below
 matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
@@ -90,118 +100,80 @@ resume = False  # continue from the newest complete checkpoint of this run
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
 activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
-config = configure(globals(), none_types={"device_memory_gb": (float,), "max_batch_size": (int,),
-                                          "compile": (bool,)})
+config = configure(globals(), none_types={"num_iterations": (int,), "max_seq_len": (int,),
+                                          "device_batch_size": (int,), "total_batch_size": (int,),
+                                          "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
 RESUME_KEYS = ("tasks", "seed", "max_seq_len", "total_batch_size")  # device_batch_size may change: same tokens
 SAMPLE_QUESTIONS = ["What is 23 + 19?", 'Spell the word "return".', "Who are you?"]
 
 
-def all_reduce_min(value, device):
-    """The minimum of an int over all ranks (the value itself without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return int(value)
-    t = torch.tensor(int(value), dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 def main():
     t_start = time.time()  # wall time of the stage, for the report card
-    from nanotrain.engine import Engine
-    from nanotrain.gpt import GPT, GPTConfig
-    from nanotrain.loss_eval import evaluate_bpb
-    from nanotrain.sft_data import ConversationTokenStream
-    from nanotrain.tasks import load_task_mixture
-    from nanotrain.tokenizer import get_token_bytes, get_tokenizer
-
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    signals = StopSignals()
-    amp, autocast_ctx = precision(dtype, device)
-    use_compile = (device.type == "cuda") if compile is None else compile
-    if use_compile:
-        check_compile_toolchain(device)
+    signals = StopSignals()  # the first SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0
+    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
+    use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     tokenizer = get_tokenizer()
     token_bytes = get_token_bytes(device)
 
-    # the base checkpoint: model config and, for a fresh run, the weights
+    # the starting point: this run's checkpoint (resume) or the newest base checkpoint (model config and weights)
     base_dir = find_run_dir("base", base_run_name)
     if base_dir is None:
         where = f" for --base_run_name={base_run_name}" if base_run_name else ""
         raise UserError(f"no base checkpoint found{where}; train one first (python scripts/base_train.py)")
-    run_name_ = run_name or os.path.basename(base_dir)
-    run_dir = get_run_dir("mid", run_name_)
-    ckpt = load_latest(run_dir, device, rank) if resume else None
-    if resume and ckpt is None:
-        print0(f"warning: --resume=True but {run_dir} has no complete checkpoint; starting fresh")
+    run_dir = get_run_dir("mid", run_name or os.path.basename(base_dir))
+    ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     base = None
     if ckpt is None:
         base = load_latest(base_dir, device, rank, load_optimizer=False)
         if base is None:
             raise UserError(f"{base_dir} has no readable checkpoint; train one first (python scripts/base_train.py)")
-    source = ckpt if ckpt is not None else base
-    T = max_seq_len if max_seq_len > 0 else source["meta"]["max_seq_len"]
-    total = total_batch_size if total_batch_size > 0 else source["meta"]["total_batch_size"]
-    model_config = GPTConfig(**dict(source["meta"]["model_config"], max_seq_len=T))
+    start = ckpt if ckpt is not None else base
+    max_seq_len = config["max_seq_len"] or start["meta"]["max_seq_len"]
+    total_batch_size = config["total_batch_size"] or start["meta"]["total_batch_size"]
+    model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=max_seq_len))
     opt_kwargs = dict(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
                       unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay, ns_dtype=ns_dtype)
 
     # device batch size: given, discovered (before the model is built, so CUDA probes have the memory), or base's
-    ab_record = None
-    if device_batch_size > 0:
-        B = device_batch_size
+    device_batch_size = config["device_batch_size"]
+    step_down = None  # with a discovered size: steps every rank down to a smaller size on out-of-memory
+    if device_batch_size is not None:
         if auto_batch_size:
             print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
     elif auto_batch_size:
-        B, ab_record = discover_device_batch_size(
-            gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **opt_kwargs), max_seq_len=T,
-            vocab_size=model_config.vocab_size, total_batch_size=total, world_size=world_size, device=device,
-            amp_dtype=torch.bfloat16 if amp == "bfloat16" else None, compile=use_compile, margin=batch_size_margin,
-            device_memory_gb=device_memory_gb, max_batch_size=max_batch_size, use_cache=batch_size_cache,
-            key_fields={})
-        if master:
-            atomic_write_json(os.path.join(run_dir, "auto_batch_size.json"), ab_record)
+        record_path = os.path.join(run_dir, "auto_batch_size.json")
+        device_batch_size, ab_record = discover_device_batch_size(
+            gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **opt_kwargs),
+            max_seq_len=max_seq_len, vocab_size=model_config.vocab_size, total_batch_size=total_batch_size,
+            world_size=world_size, device=device, amp_dtype=compute_dtype, compile=use_compile,
+            margin=batch_size_margin, device_memory_gb=device_memory_gb, max_batch_size=max_batch_size,
+            use_cache=batch_size_cache, key_fields={}, record_path=record_path)
+        step_down = OOMStepDown(ab_record, record_path, device_batch_size)
     else:
-        B = source["meta"]["device_batch_size"]
-    settings = dict(config, max_seq_len=T, device_batch_size=B, total_batch_size=total)
+        device_batch_size = start["meta"]["device_batch_size"]
+    settings = dict(config, max_seq_len=max_seq_len, device_batch_size=device_batch_size,
+                    total_batch_size=total_batch_size)
     if ckpt is not None:
-        old = ckpt["meta"]["config"]
-        for key in RESUME_KEYS:
-            if old[key] != settings[key]:
-                raise UserError(f"--resume=True: the checkpoint in {run_dir} has {key}={old[key]!r} but this run "
-                                f"has --{key}={settings[key]!r}")
-        if ckpt["meta"]["world_size"] != world_size or ckpt["rank_state"] is None:
-            raise UserError(f"--resume=True: the checkpoint {ckpt['path']} was written with world_size "
-                            f"{ckpt['meta']['world_size']}; resume with the same number of processes ({world_size})")
-    if tokenizer.get_vocab_size() != source["meta"]["model_config"]["vocab_size"]:
-        raise UserError(f"the checkpoint {source['path']} has vocab_size {source['meta']['model_config']['vocab_size']}"
-                        f" but the tokenizer has {tokenizer.get_vocab_size()}; was the tokenizer retrained?")
-
-    # batch arithmetic (as in base_train)
-    world_tokens_per_fwdbwd = B * T * world_size
-    if total % world_tokens_per_fwdbwd != 0:
-        raise UserError(f"--total_batch_size={total} is not a multiple of device_batch_size * max_seq_len * "
-                        f"world_size = {B} * {T} * {world_size} = {world_tokens_per_fwdbwd}")
-    grad_accum_steps = total // world_tokens_per_fwdbwd
+        check_resume(ckpt, run_dir, settings, RESUME_KEYS, world_size)
+    grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+    rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches
 
     # model: the base weights (or this run's checkpoint) in fp32, max_seq_len possibly changed (rotary only)
     seed_everything(seed)
-    with torch.device("meta"):
-        model = GPT(model_config)
-    model.to_empty(device=device)
-    model.init_weights()
-    model.load_state_dict(source["model"])
-    del base
+    model = build_model(model_config, device, start, tokenizer.get_vocab_size())
+    source_path = start["path"] if ckpt is None else ckpt["meta"]["source"]
+    del base, start
     model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(**opt_kwargs)
     if ckpt is not None:
-        for opt, state in zip(optimizers, ckpt["optim"]):
-            opt.load_state_dict(state)
+        load_optimizers(model, optimizers, ckpt["optim"])
     if use_compile:
         model = torch.compile(model, dynamic=False)
     if is_ddp:
@@ -217,40 +189,44 @@ def main():
         return [tokenizer.render_conversation(c, max_tokens=2**62)[0] for c in convs]
     t0 = time.time()
     train_tokens, val_tokens = rendered("train"), rendered("val")
-    train_stream = ConversationTokenStream(train_tokens, B, T, device, seed=seed)
+    train_stream = ConversationTokenStream(train_tokens, device_batch_size, max_seq_len, device, seed=seed)
     if ckpt is not None:
         train_stream.load_state_dict(ckpt["rank_state"]["loader"])
         set_rng_state(ckpt["rank_state"]["rng"], device)
-    epoch_steps = max(1, all_reduce_min(train_stream.tokens_per_epoch // (B * (T + 1) * grad_accum_steps), device))
-    total_steps = num_iterations if num_iterations > 0 else epoch_steps
-    val_tokens_min = all_reduce_min(sum(len(t) for t in val_tokens), device)
-    eval_steps = max(1, min(eval_tokens // world_tokens_per_fwdbwd, val_tokens_min // (B * (T + 1))))
+    row_tokens = max_seq_len + 1  # inputs and the shifted targets
+    epoch_steps = max(1, all_reduce_scalar(train_stream.tokens_per_epoch // (rows_per_step * row_tokens), "min",
+                                           device))
+    if num_iterations is not None and num_iterations < 1:
+        raise UserError(f"--num_iterations={num_iterations}: expected an integer >= 1, or None (one epoch)")
+    total_steps = num_iterations if num_iterations is not None else epoch_steps
+    val_tokens_min = all_reduce_scalar(sum(len(t) for t in val_tokens), "min", device)
+    eval_steps = max(1, min(eval_tokens // (device_batch_size * max_seq_len * world_size),
+                            val_tokens_min // (device_batch_size * row_tokens)))
 
     def val_batches():
-        return ConversationTokenStream(val_tokens, B, T, device, shuffle=False)
+        return ConversationTokenStream(val_tokens, device_batch_size, max_seq_len, device, shuffle=False)
 
     # logging
-    peak_flops, peak_source = get_peak_flops(device, torch.float32 if amp == "float32" else torch.bfloat16)
-    print0(f"Device: {device} x {world_size} | dtype {amp} | compile {use_compile}")
-    print0(f"Source: {ckpt['path'] if ckpt is not None else source['path']}")
+    peak_flops, peak_source = get_peak_flops(device, compute_dtype)
+    print0(f"Device: {device} x {world_size} | dtype {str(compute_dtype).removeprefix('torch.')} | "
+           f"compile {use_compile}")
+    print0(f"Source: {ckpt['path'] if ckpt is not None else source_path}")
     print0(f"Model: n_layer {model_config.n_layer}, model_dim {model_config.model_dim}, n_head {model_config.n_head}, "
            f"vocab {model_config.vocab_size:,}, params {num_params:,}, FLOPs/token {flops_per_token:.3e}")
+    print0(f"AdamW lrs scaled by (model_dim/768)**-0.5 = {adamw_lr_scale(model_config.model_dim):.6f}")
     print0(f"Data: {tasks} | {len(train_tokens):,} train conversations, {train_stream.tokens_per_epoch:,} tokens on "
            f"rank 0 ({time.time() - t0:.1f}s to render); one epoch = {epoch_steps} steps; val {eval_steps} batches")
-    print0(f"Tokens / micro-batch / rank: {B} x {T} = {B * T:,}")
-    print0(f"Total batch size {total:,} tokens => gradient accumulation steps: {grad_accum_steps}")
-    print0(f"Steps: {total_steps:,} ({total_steps * total:,} tokens, {total_steps / epoch_steps:.2f} epochs)")
+    print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
+    print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
+    print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, {total_steps / epoch_steps:.2f} "
+           f"epochs)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    print0(f"Run directory: {run_dir}")
-    if master:
-        print0("Config: " + json.dumps(settings, sort_keys=True))
-        atomic_write_json(os.path.join(run_dir, "config.json"), settings)
-    metrics = MetricsLog(run_dir, ckpt["meta"]["step"] if ckpt is not None else None, master)
+    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
-                "train_time": train_time, "device_batch_size": B, "max_seq_len": T, "total_batch_size": total,
-                "source": source["path"] if ckpt is None else ckpt["meta"]["source"]}
+                "train_time": train_time, "device_batch_size": device_batch_size, "max_seq_len": max_seq_len,
+                "total_batch_size": total_batch_size, "source": source_path}
         rank_state = {"rng": rng_state(device), "loader": train_stream.state_dict()}
         path = save_checkpoint(run_dir, step, orig_model, optimizers, meta, rank_state, rank, world_size, keep_last)
         print0(f"Saved checkpoint {path}")
@@ -263,18 +239,22 @@ def main():
     stop = False
     while True:
         last_step = step == total_steps or stop
-        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]  # its checkpoint exists already
+        # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
+        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]
         if step > 0 and (last_step or (save_every > 0 and step % save_every == 0)) and not (
                 resumed_here and not last_step):
             checkpoint(step, tokens_seen, train_time)
         if stop:
-            print0(f"Stopped at step {step} on request; resume with --resume=True --run_name={run_name_}")
+            print0(f"Stopped at step {step} on request; resume with --resume=True "
+                   f"--run_name={os.path.basename(run_dir)}")
             break
-        if last_step or (eval_every > 0 and step % eval_every == 0):  # also at the resume step (see MetricsLog)
+        # validation bpb on the val split of the mixture (also at the resume step: see MetricsLog)
+        if last_step or (eval_every > 0 and step % eval_every == 0):
             t0 = time.time()
             val_bpb = evaluate_bpb(model, val_batches(), eval_steps, token_bytes, autocast_ctx)
             print0(f"step {step:05d}/{total_steps:05d} | val bpb {val_bpb:.4f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_bpb=val_bpb)
+        # greedy chat answers to a few fixed questions
         if master and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
             engine = Engine(orig_model, tokenizer)
             for q in SAMPLE_QUESTIONS:
@@ -285,52 +265,40 @@ def main():
         if last_step:
             break
 
-        # one optimizer step: grad_accum_steps micro-batches of B * T targets each (all trained, so the mean of the
-        # micro-batch means is the token mean), gradients synced on the last one only
+        # one optimizer step: grad_accum_steps micro-batches of device_batch_size rows, every token trained (so the
+        # mean of the micro-batch means is the token mean), gradients synced on the last one
         synchronize(device)
         t0 = time.time()
-        x, y = train_stream.next_batch(B * grad_accum_steps)  # this step's rows, all micro-batches
-        if ab_record is None:
-            loss = forward_backward(model, x, y, B, autocast_ctx)
-        else:  # a discovered size: an OOM steps every rank down to the next candidate and redoes the step
-            loss, micro = forward_backward_or_step_down(model, x, y, B, ab_record["candidates"], autocast_ctx)
-            if micro != B:
-                if master:
-                    drop_cached(ab_record["cache_key"])
-                    ab_record["step_downs"] = ab_record.get("step_downs", []) + [[step, B, micro]]
-                    atomic_write_json(os.path.join(run_dir, "auto_batch_size.json"), ab_record)
-                B, grad_accum_steps = micro, total // (micro * T * world_size)
-        train_loss, stop = global_mean_and_flag(loss, signals.requested, device)
+        x, y = train_stream.next_batch(rows_per_step)
+        if step_down is not None:  # an out-of-memory steps every rank down to a smaller size and redoes the step
+            loss = step_down.forward_backward(model, x, y, autocast_ctx, step)
+            device_batch_size = step_down.device_batch_size
+        else:
+            loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
+        train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
+        stop = any_rank(signals.requested, device)  # every rank stops after the same step
         check_finite(train_loss, step, run_dir)
+        # clip, set the scheduled lr and momentum, update, zero the gradients
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
         grad_norm = optimizer_step(orig_model, optimizers, lrm, muon_momentum(step), grad_clip)
         check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
         synchronize(device)
         dt = time.time() - t0
         step += 1
-        tokens_seen += total
+        tokens_seen += total_batch_size
         if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
             train_time += dt
-        line, row = step_log_line(step, total_steps, train_loss, grad_norm.item(), lrm, dt, total, flops_per_token,
-                                  peak_flops, world_size)
+        line, row = step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
+                                  tokens=total_batch_size, flops_per_token=flops_per_token, peak_flops=peak_flops,
+                                  world_size=world_size)
         print0(line)
         metrics.log(**row, tokens=tokens_seen, epoch=train_stream.epoch)
 
-    check_replicas(orig_model)
-    print0(f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
-           f"final val bpb {val_bpb if val_bpb is None else round(val_bpb, 4)}")
-    print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
-    metrics.close()
-    report = write_section(os.path.basename(run_dir), "mid", run_dir, {"wall_time_s": time.time() - t_start})
-    if report:  # rank 0 only
-        print0(f"Report card: {report}")
+    # the end: replicas agree, the summary, the report card section
+    summary = (f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
+               f"final val bpb {val_bpb if val_bpb is None else round(val_bpb, 4)}")
+    finish_run(orig_model, run_dir, "mid", metrics, t_start, summary)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
-    finally:
-        compute_cleanup()
-    exit_process(0)  # not sys.exit: see nanotrain.common.exit_process
+    run_script(main)

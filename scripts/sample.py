@@ -9,8 +9,9 @@ import sys
 
 import torch
 
-from nanotrain.common import UserError, autodetect_device_type, die
+from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
+from nanotrain.engine import load_model
 
 stage = "base"  # which training stage's checkpoints: base | mid | sft
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -25,7 +26,6 @@ config = configure(globals())
 
 
 def main():
-    from nanotrain.engine import load_model
 
     device = torch.device(device_type or autodetect_device_type())
     model, tokenizer, path, _ = load_model(stage, run_name, step, device)
@@ -45,7 +45,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        die(str(e))
+    run_script(main)

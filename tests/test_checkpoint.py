@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from nanotrain.checkpoint import list_checkpoints, load_latest, rng_state, save_checkpoint, set_rng_state
+from nanotrain.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from nanotrain.common import rng_state, set_rng_state
 from nanotrain.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.unit
@@ -86,3 +87,26 @@ def test_loading_never_unpickles_arbitrary_objects(tmp_path):
         assert load_latest(str(tmp_path), "cpu") is None
     assert not (tmp_path / "pwned").exists()
     assert json.load(open(os.path.join(path, "meta.json")))["step"] == 1
+
+
+def test_resume_checks_settings_and_world_size(tmp_path, capsys):
+    """
+    resume_checkpoint finds the newest complete checkpoint (or warns and returns None on an empty run), and
+    check_resume refuses a checkpoint whose listed settings or world size differ, naming the flag, while settings
+    outside the list may change. Catches a check that compares the wrong dict (this run's settings against
+    themselves), ignores the world size, or refuses every change.
+    """
+    from nanotrain.checkpoint import check_resume, resume_checkpoint
+    from nanotrain.common import UserError
+    run = str(tmp_path / "run")
+    assert resume_checkpoint(run, "cpu") is None and "no complete checkpoint" in capsys.readouterr().out
+    model, opts = setup()
+    state = {"rng": rng_state("cpu")}
+    save_checkpoint(run, 3, model, opts, {"config": {"data": "a", "seq": 16, "lr": 0.1}}, state)
+    ckpt = resume_checkpoint(run, "cpu")
+    assert ckpt["meta"]["step"] == 3
+    check_resume(ckpt, run, {"data": "a", "seq": 16, "lr": 0.5}, ("data", "seq"), 1)  # lr is not checked
+    with pytest.raises(UserError, match="has seq=16 but this run has --seq=32"):
+        check_resume(ckpt, run, {"data": "a", "seq": 32, "lr": 0.1}, ("data", "seq"), 1)
+    with pytest.raises(UserError, match="world_size 1; resume with the same number of processes \\(2\\)"):
+        check_resume(ckpt, run, {"data": "a", "seq": 16, "lr": 0.1}, ("data", "seq"), 2)

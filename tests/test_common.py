@@ -129,3 +129,55 @@ def test_two_rank_runs_never_abort_at_exit(tmp_path):
         hog.kill()
         hog.wait()
     assert not failed, failed
+
+
+# ----------------------------------------------------------------------------- scalar all-reduces
+
+def _reduce_worker(rank, world, port, out):
+    import os
+
+    from nanotrain.common import all_reduce_scalar, any_rank, compute_init, exit_process
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    compute_init("cpu")
+    cpu = torch.device("cpu")
+    big = 2**53 + 1  # not representable in float64: an int reduced through a float would lose the 1
+    out.put((rank, {
+        "sum": all_reduce_scalar([3, 4][rank], "sum", cpu), "min": all_reduce_scalar([3, 4][rank], "min", cpu),
+        "max": all_reduce_scalar([3.5, -1.0][rank], "max", cpu),
+        "mean": all_reduce_scalar(torch.tensor([1.0, 2.0][rank]), "mean", cpu),
+        "big": all_reduce_scalar([big, 0][rank], "sum", cpu),
+        "any": any_rank(rank == 1, cpu), "none": any_rank(False, cpu)}))
+    exit_process(0)  # not a plain return: see exit_process
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_scalar_all_reduces_on_two_ranks():
+    """
+    all_reduce_scalar and any_rank on 2 gloo ranks give every rank the same literal results (sum 7, min 3, max 3.5,
+    mean 1.5 of a fp32 tensor, an int sum exact past 2**53) and any_rank is True when one rank's flag is set; without
+    a process group they return the value itself. Catches a mean that forgets to divide, MIN/MAX swapped, ints
+    reduced as floats, and a flag reduced with MIN (True only when every rank is set).
+    """
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from nanotrain.common import all_reduce_scalar, any_rank
+    assert all_reduce_scalar(5, "min", "cpu") == 5 and any_rank(True, "cpu") is True
+    with pytest.raises(ValueError, match="op='avg'"):
+        all_reduce_scalar(1.0, "avg", "cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_reduce_worker, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get() for _ in procs)
+    for p in procs:
+        p.join(60)
+    expected = {"sum": 7, "min": 3, "max": 3.5, "mean": 1.5, "big": 2**53 + 1, "any": True, "none": False}
+    assert results[0] == results[1] == expected

@@ -1,6 +1,6 @@
 """
-Does training actually learn, reproducibly? Overfitting a tiny model (trainers.md F3), determinism (F4), a stored
-loss-curve regression (I5), and evaluation that does not depend on the eval batch size (F5). All in-process with
+Does training actually learn, reproducibly? Overfitting a tiny model, determinism, a stored
+loss-curve regression, and evaluation that does not depend on the eval batch size. All in-process with
 nanotrain's own training pieces, fp32 on one CPU thread.
 """
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from nanotrain.common import exit_process
+from nanotrain.common import all_reduce_scalar, exit_process
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.training import check_replicas, forward_backward, global_mean_and_flag, optimizer_step
+from nanotrain.training import check_replicas, forward_backward, optimizer_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 2
@@ -70,7 +70,7 @@ def worker(rank, port, out_dir, wrong):
     syncs = len(calls) / max(n_buckets, 1)
     result = {"grad": grad, "syncs": syncs}
     if not wrong:
-        result["loss"], _ = global_mean_and_flag(loss, False, torch.device("cpu"))
+        result["loss"] = all_reduce_scalar(loss, "mean", torch.device("cpu"))
         opts = model.setup_optimizers()
         result["grad_norm"] = optimizer_step(model, opts, 1.0, 0.95, 0.05).item()  # clipping active (norm > 0.05)
         result["local_norm"] = local_norm

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from conftest import TINY_TRAIN, run_script
 
 from nanotrain.checkpoint import load_checkpoint, load_optimizers, save_checkpoint
-from nanotrain.common import exit_process
+from nanotrain.common import all_reduce_scalar, exit_process
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.training import forward_backward, global_mean_and_flag, optimizer_step
+from nanotrain.training import forward_backward, optimizer_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 WORLD = 2
@@ -51,7 +51,7 @@ def train(model, fwd, opts, rank, steps):
         g = torch.Generator().manual_seed(100 + step)
         x, y = torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
         loss = forward_backward(fwd, x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4], 2, nullcontext())
-        losses.append(global_mean_and_flag(loss, False, CPU)[0])
+        losses.append(all_reduce_scalar(loss, "mean", CPU))
         optimizer_step(model, opts, 1.0, 0.95, 1.0)
     return losses
 
@@ -92,11 +92,11 @@ def worker(rank, port, out):
     from nanotrain.fsdp import full_state_dicts, shard_model
     res = {}
 
-    def fsdp_model(amp="float32", state=None):
+    def fsdp_model(compute_dtype=torch.float32, state=None):
         model = make_model()
         if state is not None:
             model.load_state_dict(state)
-        return shard_model(model, CPU, amp)
+        return shard_model(model, CPU, compute_dtype)
 
     # DDP reference, checkpoint after SAVE_AT steps
     model = make_model()
@@ -143,7 +143,7 @@ def worker(rank, port, out):
     res["ddp_to_fsdp"] = train(model, model, opts, rank, range(SAVE_AT, STEPS))
 
     # precision: reduce_dtype fp32 in every FSDP group; with bf16 compute, params/grads/optimizer state stay fp32
-    model = fsdp_model("bfloat16")
+    model = fsdp_model(torch.bfloat16)
     policies = [m._get_fsdp_state()._mp_policy for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     res["policies"] = [(p.param_dtype, p.reduce_dtype) for p in policies]
     opts = model.setup_optimizers()
@@ -208,8 +208,8 @@ def test_fsdp_reduces_in_fp32_and_keeps_fp32_state(runs):
     for r in res:
         assert r["policies"] == [(torch.bfloat16, torch.float32)] * 3
         assert r["grads"] == r["params"] == r["states"] == {(True, torch.float32)}
-    for amp in ("bfloat16", "float32"):
-        assert mixed_precision_policy(amp).reduce_dtype == torch.float32
+    for compute_dtype in (torch.bfloat16, torch.float32):
+        assert mixed_precision_policy(compute_dtype).reduce_dtype == torch.float32
 
 
 def test_fsdp_checkpoints_move_between_fsdp_and_ddp(runs):

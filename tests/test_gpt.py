@@ -215,7 +215,7 @@ def test_setup_optimizers(capsys):
     """Catches parameters missing from (or duplicated in) the optimizers, unscaled AdamW LRs and missing initial_lr."""
     model = make_model(randomize=False)
     adamw, muon = model.setup_optimizers(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
-    assert "Scaling the LR" in capsys.readouterr().out
+    assert capsys.readouterr().out == ""  # the model prints nothing; the scripts log the lr scale
     scale = (64 / 768) ** -0.5
     lrs = sorted(g["lr"] for g in adamw.param_groups)
     assert lrs == pytest.approx(sorted([0.2 * scale, 0.004 * scale]))
@@ -253,3 +253,23 @@ def test_cuda_bf16_paths(monkeypatch):
         model(idx, idx).backward()
     adamw.step()
     muon.step()
+
+
+def test_build_model_loads_checkpoint_and_checks_vocab(tmp_path):
+    """build_model equals a model built by hand and loaded from the same state, after the same seed; a checkpoint
+    whose vocab_size differs from the tokenizer's is one UserError, not a size-mismatch traceback. Catches a
+    build_model that skips load_state_dict (the weights would be the fresh init) or the vocab check."""
+    from nanotrain.gpt import build_model
+    config = GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32)
+    torch.manual_seed(0)
+    trained = GPT(config)
+    trained.init_weights()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p))
+    ckpt = {"model": trained.state_dict(), "meta": {"model_config": vars(config)}, "path": str(tmp_path / "ck")}
+    model = build_model(config, torch.device("cpu"), ckpt, vocab_size=64)
+    idx = torch.randint(0, 64, (2, 16))
+    assert torch.equal(model(idx), trained(idx))
+    with pytest.raises(UserError, match="vocab_size 64 but the tokenizer has 80"):
+        build_model(config, torch.device("cpu"), ckpt, vocab_size=80)

@@ -1,5 +1,5 @@
 """
-Exact resume of base_train through the command line (trainers.md E1, E2, E4): 20 steps straight against 10 steps,
+Exact resume of base_train through the command line: 20 steps straight against 10 steps,
 a new process, --resume=True and 10 more; resuming at an epoch boundary; corrupt checkpoints; num_iterations.
 
 One straight run (module fixture) trains 20 steps with a checkpoint every 5 on a local data directory whose training
@@ -99,7 +99,7 @@ def cut_copy(src, dst, step, keep=None):
 
 def other_rng_state():
     """The RNG states of another seed: what a resume that does not restore the RNG would run with."""
-    from nanotrain.checkpoint import rng_state
+    from nanotrain.common import rng_state
     py, th = random.getstate(), torch.get_rng_state()
     random.seed(999)
     torch.manual_seed(999)

@@ -1,5 +1,5 @@
 """
-base_train under bad conditions, through the command line: preemption of a 2-rank run (SIGTERM, trainers.md E7), a
+base_train under bad conditions, through the command line: preemption of a 2-rank run (SIGTERM), a
 non-finite loss, and bad input (a truncated parquet shard, an empty data directory, a corrupt tokenizer, a garbage
 JSONL line, badly typed settings). Corrupt checkpoints are in tests/test_resume.py (they reuse its run).
 

@@ -1,5 +1,5 @@
 """
-The smoke matrix (issue #5): {base_train, mid_train, chat_sft} x {1 rank, 2 ranks (torchrun --standalone, gloo)}
+The smoke matrix: {base_train, mid_train, chat_sft} x {1 rank, 2 ranks (torchrun --standalone, gloo)}
 x {gradient accumulation 1, 2} x {fresh, resumed}, every cell through the command line on a tiny config (depth 2,
 max_seq_len 64, 12 steps of 8 rows of 64 tokens, or of 8 conversations for chat_sft).
 
@@ -46,14 +46,15 @@ def run_name(script, nproc, accum, resumed=False):
 
 def cell_args(script, nproc, accum, name):
     """
-    The command line of a cell. device_batch_size (rows, or conversations per micro-batch for chat_sft) is
+    The command line of a cell. device_batch_size (rows; for chat_sft max_conversations_per_device) is
     ROWS / (nproc * accum), so every cell trains ROWS per step in `accum` micro-batches per rank: base and mid run
     total_batch_size 512 = ROWS * 64 tokens; chat_sft's 8 conversations (truncated to 64 tokens) fit any micro-batch
-    under max_tokens_per_device 512, so only device_batch_size splits them. Evaluations at step 0 and STEPS only.
+    under max_tokens_per_device 512, so only max_conversations_per_device splits them. Evaluations at step 0 and STEPS only.
     Muon's Newton-Schulz runs in fp32 (its default is bf16 on CPUs with fast bf16 matmuls, where runs that differ by
     fp32 roundoff in the gradient may round differently to bf16 and drift apart by more than the 1e-5 compared here).
     """
-    args = [f"--run_name={name}", f"--device_batch_size={ROWS // (nproc * accum)}", f"--num_iterations={STEPS}",
+    per_micro_batch = "max_conversations_per_device" if script == "chat_sft" else "device_batch_size"
+    args = [f"--run_name={name}", f"--{per_micro_batch}={ROWS // (nproc * accum)}", f"--num_iterations={STEPS}",
             f"--save_every={CUT}", f"--eval_every={STEPS}", "--keep_last=0", "--ns_dtype=float32"]
     if script == "base_train":
         return [*args, "--depth=2", "--max_seq_len=64", "--total_batch_size=512", "--eval_tokens=512",
