@@ -12,10 +12,9 @@ sharded on dim 0: Newton-Schulz needs the whole matrix, so each update is all-ga
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from nanotrain.common import is_distributed, measure_matmul_flops
+from nanotrain.common import all_reduce_scalar, measure_matmul_flops
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz coefficients (Keller Jordan 2024, modded-nanogpt)
 
@@ -77,10 +76,9 @@ def ns_dtype_for(device):
             with _disable_current_modes():  # real tensors even when first asked inside a fake-tensor memory probe
                 fp32 = measure_matmul_flops(torch.float32, 512, 0.05)
                 bf16 = measure_matmul_flops(torch.bfloat16, 512, 0.05)
-                fast = torch.tensor(float(bf16 >= 2 * fp32))
-                if is_distributed():  # replicas must run the same numerics
-                    dist.all_reduce(fast, op=dist.ReduceOp.MIN)
-                fast = fast.item() > 0  # read here too: under a fake mode .item() of a real tensor is refused
+                # replicas must run the same numerics: fp32 unless every rank measured fast bf16 (reduced inside the
+                # guard: under a fake mode .item() of a real tensor is refused)
+                fast = all_reduce_scalar(bf16 >= 2 * fp32, "min", "cpu") > 0
             _NS_DTYPE[kind] = torch.bfloat16 if fast else torch.float32
         else:
             _NS_DTYPE[kind] = torch.float32
