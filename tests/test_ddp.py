@@ -122,17 +122,21 @@ def test_ddp_two_ranks_equals_full_batch(tmp_path):
 
 
 def ns_worker(rank, port, out_dir, agree):
-    """One rank as torchrun starts it: compute_init on CPU, with rank 1 measuring slow bf16 matmuls."""
+    """One rank as a training script starts it (compute_init on CPU, a model, setup_optimizers), with rank 1
+    measuring slow bf16 matmuls."""
     import nanotrain.muon as muon
     from nanotrain.common import compute_init
+    from nanotrain.gpt import GPT, GPTConfig
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     speed = 4.5 if rank == 0 else 0.25  # bf16 / fp32 throughput each rank "measures"
     muon.measure_matmul_flops = lambda dtype, n, s: 1e11 * (speed if dtype == torch.bfloat16 else 1.0)
     if not agree:  # the wrong variant: each rank decides alone
-        muon.dist = type("NoDist", (), {"is_available": staticmethod(lambda: False)})
+        muon.all_reduce_scalar = lambda value, op, device: int(value)
     compute_init("cpu")
+    model = GPT(GPTConfig(max_seq_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, model_dim=16))
+    model.setup_optimizers()  # ns_dtype "": settles Muon's Newton-Schulz dtype, before any step
     torch.save({"chosen": muon._NS_DTYPE.get("cpu")}, os.path.join(out_dir, f"ns{rank}.pt"))
     exit_process(0)
 
@@ -141,8 +145,8 @@ def ns_worker(rank, port, out_dir, agree):
 def test_ranks_agree_on_the_newton_schulz_dtype(tmp_path, agree):
     """
     Muon's Newton-Schulz dtype is measured per CPU; under DDP every rank must use the same one or the replicas drift.
-    compute_init settles it on every rank right after the process group starts (before any Muon step): with rank 0
-    measuring fast bf16 and rank 1 slow bf16, both choose fp32. The wrong variant (each rank decides alone) is run
+    GPT.setup_optimizers settles it on every rank before any Muon step: with rank 0 measuring fast bf16 and rank 1
+    slow bf16, both choose fp32. The wrong variant (each rank decides alone) is run
     too and gives rank 0 bf16 and rank 1 fp32.
     """
     mp.start_processes(ns_worker, args=(free_port(), str(tmp_path), agree), nprocs=WORLD, start_method="spawn",
