@@ -105,21 +105,21 @@ def next_smaller_candidate(candidates, batch_size):
 
 def gpt_builder(model_config, *, activation_checkpointing=False, **optimizer_kwargs):
     """
-    A build_model(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
+    A build_probe(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
     FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it, fresh
     optimizers from setup_optimizers(**optimizer_kwargs); advances torch's global RNG. It carries `key_fields` (GPT
     config, activation checkpointing, optimizer arguments) for the cache key, so another model never hits its entry.
     """
-    def build_model(device):
+    def build_probe(device):
         with torch.device(device):
             model = GPT(model_config)
         model.init_weights()
         model.activation_checkpointing = bool(activation_checkpointing)
         return model, model.setup_optimizers(**optimizer_kwargs)
 
-    build_model.key_fields = {"gpt_config": dict(vars(model_config)), "optimizer_kwargs": dict(optimizer_kwargs),
+    build_probe.key_fields = {"gpt_config": dict(vars(model_config)), "optimizer_kwargs": dict(optimizer_kwargs),
                               "activation_checkpointing": bool(activation_checkpointing)}
-    return build_model
+    return build_probe
 
 
 class PackedRows(torch.nn.Module):
@@ -139,21 +139,21 @@ class PackedRows(torch.nn.Module):
 
 
 def sft_builder(model_config, packing, activation_checkpointing=False, **optimizer_kwargs):
-    """build_model(device) -> (PackedRows(GPT), [adamw, muon]) for chat_sft: gpt_builder's model wrapped in
+    """build_probe(device) -> (PackedRows(GPT), [adamw, muon]) for chat_sft: gpt_builder's model wrapped in
     PackedRows; key_fields also hold `packing`."""
     build_gpt = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **optimizer_kwargs)
 
-    def build_model(device):
+    def build_probe(device):
         model, optimizers = build_gpt(device)
         return PackedRows(model, packing), optimizers
-    build_model.key_fields = {**build_gpt.key_fields, "packing": packing}
-    return build_model
+    build_probe.key_fields = {**build_gpt.key_fields, "packing": packing}
+    return build_probe
 
 
-def code_fingerprint(build_model):
+def code_fingerprint(build_probe):
     """sha256 (hex str) of the Python sources that decide the probe's memory: every .py file of the nanotrain package
-    (model, optimizers, nanotrain.memory's probe step, the builders), of the top-level package defining build_model
-    and build_model's own file. In the key, it makes the fake-path peak a pure function of the key."""
+    (model, optimizers, nanotrain.memory's probe step, the builders), of the top-level package defining build_probe
+    and build_probe's own file. In the key, it makes the fake-path peak a pure function of the key."""
     files = set()
 
     def add_tree(root):
@@ -161,12 +161,12 @@ def code_fingerprint(build_model):
             files.update(os.path.join(dirpath, n) for n in names if n.endswith(".py"))
 
     add_tree(os.path.dirname(os.path.abspath(__file__)))
-    module = sys.modules.get(getattr(build_model, "__module__", None) or "")
+    module = sys.modules.get(getattr(build_probe, "__module__", None) or "")
     package = (getattr(module, "__package__", None) or "").split(".")[0]
     if package and package in sys.modules and getattr(sys.modules[package], "__file__", None):
         add_tree(os.path.dirname(os.path.abspath(sys.modules[package].__file__)))
     try:
-        source = inspect.getsourcefile(build_model)
+        source = inspect.getsourcefile(build_probe)
     except TypeError:  # a builtin or a callable object without source
         source = None
     if source and os.path.isfile(source):  # not for "<stdin>" or notebook cells
@@ -181,7 +181,7 @@ def code_fingerprint(build_model):
 def cache_key(*, key_fields, max_seq_len, vocab_size, amp_dtype, compile, devices, world_size, margin, candidates,
               code=None):
     """The cache key (a JSON-able dict) of these arguments (`devices`: every rank's device_memory_budget description;
-    `code`: code_fingerprint(build_model)), the torch version, the CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF,
+    `code`: code_fingerprint(build_probe)), the torch version, the CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF,
     PYTORCH_ALLOC_CONF: they change fragmentation) and ALGORITHM_VERSION."""
     return {"algorithm_version": ALGORITHM_VERSION,
             "key_fields": json.loads(json.dumps(key_fields or {}, sort_keys=True, default=str)),
@@ -286,7 +286,7 @@ def _refine_compiled(fits_compiled, candidates, batch_size, max_probes=MAX_COMPI
     return best
 
 
-def discover_device_batch_size(build_model, *, max_seq_len, vocab_size, total_batch_size, world_size, device,
+def discover_device_batch_size(build_probe, *, max_seq_len, vocab_size, total_batch_size, world_size, device,
                                amp_dtype=None, compile=False, margin=DEFAULT_MARGIN, device_memory_gb=None,
                                max_batch_size=None, use_cache=True, key_fields, probe=None, log=print0,
                                record_path=None):
@@ -294,13 +294,13 @@ def discover_device_batch_size(build_model, *, max_seq_len, vocab_size, total_ba
     The largest candidate_batch_sizes(total_batch_size, max_seq_len, world_size, max_batch_size) whose training step
     (nanotrain.memory.probe_step) peaks at most margin * device memory on every rank. Call it on every rank before the
     training model is built; result and record are the same on all ranks; RNG states are restored.
-    build_model(device) -> (model, optimizers) as training uses them (gpt_builder, sft_builder): on CPU/MPS called per
+    build_probe(device) -> (model, optimizers) as training uses them (gpt_builder, sft_builder): on CPU/MPS called per
     probe under FakeTensorMode; on CUDA once, probed for real, then its parameters restored and optimizer state
     cleared. amp_dtype: training's compute dtype (torch.bfloat16: autocast; torch.float32 or None: none). compile: on
     CUDA, compiled probes verify (and may raise) the eager search's size; elsewhere it is only in the cache key.
     margin: a fraction of the bytes.
     device_memory_gb: the budget in GiB (CPU/MPS; on CUDA an emulated smaller device). key_fields: JSON-able facts
-    that change memory, merged with build_model.key_fields. probe: "fake" | "real" | None (real on CUDA only).
+    that change memory, merged with build_probe.key_fields. probe: "fake" | "real" | None (real on CUDA only).
     log: print-like; one line per probe, then `Auto-discovery found device_batch_size=N | grad_accum_steps=... |
     probes=... | ...s | cache hit/miss`. record_path: rank 0 writes the record there (JSON).
     Returns (batch_size, record): a JSON-able dict of device_batch_size, grad_accum_steps, candidates, budget_bytes,
@@ -324,20 +324,20 @@ def discover_device_batch_size(build_model, *, max_seq_len, vocab_size, total_ba
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     budget, device_description = device_memory_budget(device, device_memory_gb, local_world_size)
     limit = margin * budget
-    key_fields = {**getattr(build_model, "key_fields", {}), **key_fields}
+    key_fields = {**getattr(build_probe, "key_fields", {}), **key_fields}
     devices = [device_description]
     if ranks > 1:  # every rank's device (or budget) is part of the key: the smallest decides the size
         devices = [None] * world_size
         dist.all_gather_object(devices, device_description)
     key = cache_key(key_fields=key_fields, max_seq_len=max_seq_len, vocab_size=vocab_size, amp_dtype=amp_dtype,
                     compile=compile, devices=devices, world_size=world_size, margin=margin, candidates=candidates,
-                    code=code_fingerprint(build_model))
+                    code=code_fingerprint(build_probe))
     compiled_checks = bool(compile) and probe == "real" and device.type == "cuda"
     if probe == "real":
         fraction = limit / device_description["total_memory"] if device.type == "cuda" else None
-        prober = RealProbe(build_model, device, max_seq_len, vocab_size, amp_dtype, world_size, fraction, log)
+        prober = RealProbe(build_probe, device, max_seq_len, vocab_size, amp_dtype, world_size, fraction, log)
     else:
-        prober = FakeProbe(build_model, device, max_seq_len, vocab_size, amp_dtype, world_size)
+        prober = FakeProbe(build_probe, device, max_seq_len, vocab_size, amp_dtype, world_size)
     record = {"device_batch_size": None, "grad_accum_steps": None, "candidates": candidates, "budget_bytes": budget,
               "limit_bytes": int(limit), "margin": margin, "device": device_description, "measurement": prober.kind,
               "probes": [], "cache_hit": False, "cache_key": key, "cache_path": None, "seconds": None,

@@ -120,27 +120,27 @@ def _ddp_bucket_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def measure_fake_peak(build_model, batch_size, *, max_seq_len, vocab_size, device="cpu", amp_dtype=None,
+def measure_fake_peak(build_probe, batch_size, *, max_seq_len, vocab_size, device="cpu", amp_dtype=None,
                       world_size=1, optimizer_step=True):
     """
-    Peak bytes of probe_step at `batch_size`, measured without allocating them: build_model(device) is called inside
+    Peak bytes of probe_step at `batch_size`, measured without allocating them: build_probe(device) is called inside
     torch._subclasses.fake_tensor.FakeTensorMode (so it must create its modules inside the call, directly on
     `device`: FakeTensorMode cannot swap meta parameters in nn.Module.to_empty, torch 2.13), and the step runs under
     MemTracker (parameters, buffers, gradients, activations, temporaries, optimizer state; exact storage bytes,
     rounded to 512 B on CUDA like the caching allocator). Plus DDP's gradient buckets when world_size > 1. The same
     method as torchtitan's scripts/estimate/estimation.py. On a real CPU run of the same step MemTracker reports the
     same peak; the process RSS is higher by malloc and kernel scratch overhead, which the default margin absorbs.
-    build_model(device) -> (model, optimizers). Returns int bytes. Raises ValueError for a meta + to_empty factory.
+    build_probe(device) -> (model, optimizers). Returns int bytes. Raises ValueError for a meta + to_empty factory.
     """
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
     with FakeTensorMode():
         try:
-            model, optimizers = build_model(device)
+            model, optimizers = build_probe(device)
         except RuntimeError as exc:
             if "Couldn't swap" not in str(exc):
                 raise
-            raise ValueError("build_model must create the model directly on the device it is given (e.g. with "
+            raise ValueError("build_probe must create the model directly on the device it is given (e.g. with "
                              "torch.device(device): GPT(config)); meta + to_empty() cannot run under "
                              "FakeTensorMode; see gpt_builder") from exc
         tracker = _peak_tracker()
@@ -161,10 +161,10 @@ class FakeProbe:
 
     kind = "fake tensors + MemTracker (no memory allocated)"
 
-    def __init__(self, build_model, device, max_seq_len, vocab_size, amp_dtype, world_size):
+    def __init__(self, build_probe, device, max_seq_len, vocab_size, amp_dtype, world_size):
         self.args = dict(max_seq_len=max_seq_len, vocab_size=vocab_size, device=device, amp_dtype=amp_dtype,
                          world_size=world_size)
-        self.build_model = build_model
+        self.build_probe = build_probe
 
     def __enter__(self):
         return self
@@ -174,16 +174,16 @@ class FakeProbe:
 
     def measure(self, batch_size, compiled=False):
         """Returns (peak_bytes, oom=False, thrash=False)."""
-        return measure_fake_peak(self.build_model, batch_size, **self.args), False, False
+        return measure_fake_peak(self.build_probe, batch_size, **self.args), False, False
 
 
 class RealProbe:
     """
-    Real probes on one model built on entry by build_model(device): on CUDA (peak = torch.cuda.max_memory_reserved,
+    Real probes on one model built on entry by build_probe(device): on CUDA (peak = torch.cuda.max_memory_reserved,
     the allocator capped at `fraction` of the device, thrash = the allocator had to retry an allocation), elsewhere
     only for tests and an explicit probe="real" (peak = a MemTracker on the real tensors; a real host OOM kills the
     process). measure(batch_size, compiled=False) -> (peak_bytes, oom, thrash), compiled=True probes
-    torch.compile(model). On exit the parameters are restored bitwise from a CPU snapshot (so build_model may return
+    torch.compile(model). On exit the parameters are restored bitwise from a CPU snapshot (so build_probe may return
     the training model), the optimizer state is cleared, the memory fraction is restored. OOM errors are caught and
     cleaned up outside the except block (inside it, the traceback keeps the failed step's tensors alive); every other
     error propagates.
@@ -191,8 +191,8 @@ class RealProbe:
 
     kind = "real step"
 
-    def __init__(self, build_model, device, max_seq_len, vocab_size, amp_dtype, world_size, fraction=None, log=print0):
-        self.build_model, self.device, self.fraction, self.log = build_model, torch.device(device), fraction, log
+    def __init__(self, build_probe, device, max_seq_len, vocab_size, amp_dtype, world_size, fraction=None, log=print0):
+        self.build_probe, self.device, self.fraction, self.log = build_probe, torch.device(device), fraction, log
         self.max_seq_len, self.vocab_size, self.amp_dtype, self.world_size = max_seq_len, vocab_size, amp_dtype, world_size
         self.is_cuda = self.device.type == "cuda"
         self.model = self.optimizers = self.compiled_model = self.snapshot = None
@@ -201,7 +201,7 @@ class RealProbe:
             self.kind = "real step on CUDA, peak = max_memory_reserved"
 
     def __enter__(self):
-        self.model, self.optimizers = self.build_model(self.device)
+        self.model, self.optimizers = self.build_probe(self.device)
         self.snapshot = [p.detach().to("cpu", copy=True) for p in self.model.parameters()]
         self.extra_bytes = _ddp_bucket_bytes(self.model) if self.world_size > 1 else 0
         if self.is_cuda:

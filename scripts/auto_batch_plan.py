@@ -65,11 +65,11 @@ def main():
         model_config = config_from_depth(d, vocab_size, max_seq_len)
         with torch.device("meta"):
             num_params = GPT(model_config).num_params()
-        build_model = gpt_builder(model_config, activation_checkpointing=activation_checkpointing)
+        build_probe = gpt_builder(model_config, activation_checkpointing=activation_checkpointing)
         peaks = {}
 
         def fits(batch_size):
-            peaks[batch_size] = measure_fake_peak(build_model, batch_size, max_seq_len=max_seq_len,
+            peaks[batch_size] = measure_fake_peak(build_probe, batch_size, max_seq_len=max_seq_len,
                                                   vocab_size=vocab_size, device=fake_device,
                                                   amp_dtype=torch.bfloat16, world_size=world_size)
             return peaks[batch_size] <= limit

@@ -36,10 +36,10 @@ seed = 0  # model init and data seed
 config = configure(globals())
 
 
-def run_setting(build_model, device, batch_size, autocast_ctx):
+def run_setting(build_probe, device, batch_size, autocast_ctx):
     """Trains steps + 1 optimizer steps at device_batch_size=batch_size; returns (tokens/s, first step loss)."""
     torch.manual_seed(seed)
-    model, optimizers = build_model(device)
+    model, optimizers = build_probe(device)
     rows = total_batch_size // max_seq_len
     g = torch.Generator().manual_seed(seed)
     data = [torch.randint(0, vocab_size, (2, rows, max_seq_len), generator=g).to(device) for _ in range(steps + 1)]
@@ -59,12 +59,12 @@ def main():
     device = torch.device(device_type or autodetect_device_type())
     amp, autocast_ctx = precision(dtype, device)
     model_config = config_from_depth(depth, vocab_size, max_seq_len)
-    build_model = gpt_builder(model_config)
+    build_probe = gpt_builder(model_config)
     if total_batch_size % (manual_batch_size * max_seq_len) != 0:
         raise UserError(f"--total_batch_size={total_batch_size} is not a multiple of --manual_batch_size * "
                         f"--max_seq_len = {manual_batch_size * max_seq_len}")
     found, record = discover_device_batch_size(
-        build_model, max_seq_len=max_seq_len, vocab_size=vocab_size, total_batch_size=total_batch_size, world_size=1,
+        build_probe, max_seq_len=max_seq_len, vocab_size=vocab_size, total_batch_size=total_batch_size, world_size=1,
         device=device, amp_dtype=torch.bfloat16 if amp == "bfloat16" else None, compile=False,
         margin=batch_size_margin, device_memory_gb=device_memory_gb, use_cache=False,
         key_fields={"model_config": vars(model_config)}, log=lambda *a: print(*a, file=sys.stderr))
@@ -73,7 +73,7 @@ def main():
               "margin": batch_size_margin, "steps": steps, "threads": torch.get_num_threads(),
               "discovery_seconds": record["seconds"], "discovery_probes": len(record["probes"])}
     for name, batch_size in (("manual", manual_batch_size), ("discovered", found)):
-        tok_per_s, loss = run_setting(build_model, device, batch_size, autocast_ctx)
+        tok_per_s, loss = run_setting(build_probe, device, batch_size, autocast_ctx)
         result[name] = {"device_batch_size": batch_size,
                         "grad_accum_steps": total_batch_size // (batch_size * max_seq_len),
                         "tokens_per_s": round(tok_per_s, 1), "first_step_loss": loss}

@@ -508,7 +508,7 @@ REAL_TINY_ARGS = dict(probe="real", device_memory_gb=64, max_seq_len=16, vocab_s
 
 @pytest.mark.unit
 def test_hygiene_after_real_probes_with_ooms(monkeypatch, tmp_path):
-    """A model passed in (build_model returns the training model) comes back bitwise unchanged, its optimizers have no
+    """A model passed in (build_probe returns the training model) comes back bitwise unchanged, its optimizers have no
     state, no gradients, the Python/torch RNG states are restored, and the OOM probes count as 'does not fit'.
     Catches: no weight restore after the probes' optimizer steps, leftover optimizer state (lazy state would then be
     counted twice in training), gradients left behind, RNG drift (a different data order/init than without

@@ -41,12 +41,12 @@ def failing_builder(rank):
     build = gpt_builder(CONFIG)
     calls = []
 
-    def build_model(device):
+    def build_probe(device):
         calls.append(device)
         if rank == 1 and len(calls) == 2:
             raise ValueError("simulated failure on rank 1")
         return build(device)
-    return build_model
+    return build_probe
 
 
 def worker(rank, port, out_dir, base_dir, gb_big, gb_small):
