@@ -63,9 +63,9 @@ def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world
     max_seq_len * world_size). Raises UserError when a value is below 1 or the division is not exact; the message
     names the nearest valid --total_batch_size values and, where one exists, nearby valid --device_batch_size values.
     """
-    if device_batch_size < 1 or total_batch_size < 1:
-        raise UserError(f"--device_batch_size={device_batch_size} and --total_batch_size={total_batch_size} "
-                        f"must be positive")
+    if min(device_batch_size, total_batch_size, max_seq_len, world_size) < 1:
+        raise UserError(f"--device_batch_size={device_batch_size}, --total_batch_size={total_batch_size} and "
+                        f"--max_seq_len={max_seq_len} must be positive")
     per = device_batch_size * max_seq_len * world_size
     if total_batch_size % per == 0:
         return total_batch_size // per

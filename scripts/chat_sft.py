@@ -185,6 +185,8 @@ def main():
             raise UserError(f"{source_dir} has no readable checkpoint; train one first")
     start = ckpt if ckpt is not None else src
     max_seq_len = config["max_seq_len"] or start["meta"]["max_seq_len"]
+    if max_seq_len < 1:
+        raise UserError(f"--max_seq_len={max_seq_len}: expected an integer >= 1, or None (the checkpoint's)")
     settings = dict(config, max_seq_len=max_seq_len)
     if ckpt is not None:
         check_resume(ckpt, run_dir, settings, RESUME_KEYS, world_size)

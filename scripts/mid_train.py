@@ -133,6 +133,8 @@ def main():
             raise UserError(f"{base_dir} has no readable checkpoint; train one first (python scripts/base_train.py)")
     start = ckpt if ckpt is not None else base
     max_seq_len = config["max_seq_len"] or start["meta"]["max_seq_len"]
+    if max_seq_len < 1:
+        raise UserError(f"--max_seq_len={max_seq_len}: expected an integer >= 1, or None (the checkpoint's)")
     total_batch_size = config["total_batch_size"] or start["meta"]["total_batch_size"]
     model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=max_seq_len))
     opt_kwargs = dict(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
