@@ -12,7 +12,7 @@ tokens per micro-batch, so every rank runs the same number of micro-batches (a r
 zero-weight one). With packing, a micro-batch is one padding-free row (attention kept inside each conversation);
 with --packing=False it is one padded row per conversation. The step's loss is the sum of the per-token losses over
 all trained tokens on all ranks divided by their global count, counted before the backward passes, so the gradient
-does not depend on max_tokens_per_device, device_batch_size or the number of ranks (nanotrain.sft_data).
+does not depend on max_tokens_per_device, max_conversations_per_device or the number of ranks (nanotrain.sft_data).
 Defaults: examples_per_step 32 as nanochat v0 (target_examples_per_step), one epoch, lr decaying linearly to 0,
 init_lr_frac 0.8 as nanochat HEAD; on the CPU recipe's depth-4 model after mid-training, 100 steps gave val loss
 0.522 / 0.507 / 0.486 / 0.472 at init_lr_frac 0.02 / 0.1 / 0.3 / 1.0 (from 0.535), so small models want the high end.

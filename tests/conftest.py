@@ -9,6 +9,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from nanotrain.gpt import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_VOCAB = 512  # tokenizer vocab (including the 9 special tokens) of the test runs
@@ -79,3 +82,25 @@ def tiny_tokenizer(base_dir):
 
 def copy_run(src_base, dst_base, stage, run):
     shutil.copytree(os.path.join(src_base, stage, run), os.path.join(dst_base, stage, run))
+
+
+def tiny_model(seed=0):
+    """A 2-layer GPT (vocab 64, 16 positions) with every weight nonzero, seeded: the numeric tests' model."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
+    model.init_weights()
+    with torch.no_grad():  # give the zero-initialised projections some weight so every path matters
+        for name, p in model.named_parameters():
+            if "c_proj" in name or "lm_head" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def grads(model):
+    """All parameter gradients as one flat tensor."""
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def rel(a, b):
+    """Relative distance |a - b| / |b| (float)."""
+    return ((a - b).norm() / b.norm()).item()

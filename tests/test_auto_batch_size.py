@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import grads, rel, tiny_model
 
 import nanotrain.auto_batch_size as ab
 import nanotrain.memory as memory
@@ -722,25 +723,6 @@ def test_compiled_verification_steps_down_or_up_within_three_probes(limit, expec
 
 
 # ----------------------------------------------------------------------------- out of memory after discovery
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
-    model.init_weights()
-    with torch.no_grad():  # give the zero-initialised projections some weight so every path matters
-        for name, p in model.named_parameters():
-            if "c_proj" in name or "lm_head" in name:
-                p.normal_(0, 0.05)
-    return model
-
-
-def grads(model):
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
 
 class OOMAbove(torch.nn.Module):
     """A simulated device: the wrapped model raises a real torch.OutOfMemoryError for micro-batches above `limit`."""

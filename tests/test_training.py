@@ -5,30 +5,11 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from conftest import grads, rel, tiny_model
 
-from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.training import MetricsLog, forward_backward, lr_multiplier, muon_momentum
 
 pytestmark = pytest.mark.unit
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
-    model.init_weights()
-    with torch.no_grad():  # give the zero-initialised projections some weight so every path matters
-        for name, p in model.named_parameters():
-            if "c_proj" in name or "lm_head" in name:
-                p.normal_(0, 0.05)
-    return model
-
-
-def grads(model):
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_grad_accumulation_equals_full_batch():
