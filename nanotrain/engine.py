@@ -54,7 +54,7 @@ class Engine:
                         dtype)
         ids = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, T) int64
         for _ in range(max_tokens):
-            logits = model(ids, kv_cache=cache)[:, -1, :]  # (B, vocab_size) fp32
+            logits = model(ids, kv_cache=cache, last_only=True)[:, -1, :]  # (B, vocab_size) fp32
             if temperature == 0:
                 ids = logits.argmax(dim=-1, keepdim=True)
             else:

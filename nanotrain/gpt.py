@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from nanotrain.common import UserError
+from nanotrain.head_loss import linear_cross_entropy
 from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
 
 try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenever it is absent
@@ -65,8 +66,42 @@ def adamw_lr_scale(model_dim):
 
 
 def norm(x):
-    """Parameter-free RMSNorm over the last dimension (any shape, dtype preserved)."""
-    return F.rms_norm(x, (x.size(-1),))
+    """
+    Parameter-free RMSNorm over the last dimension (any shape, dtype preserved), computed in fp32 as F.rms_norm
+    does. For a bf16/fp16 x that needs a gradient, the backward keeps x itself and the fp32 1/rms (_RMSNorm), where
+    F.rms_norm's backward keeps an fp32 copy of x (twice the bytes; on CUDA autocast upcasts its input likewise).
+    """
+    if x.dtype == torch.float32 or not (torch.is_grad_enabled() and x.requires_grad):
+        return F.rms_norm(x, (x.size(-1),))
+    return _RMSNorm.apply(x)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """
+    y = x / sqrt(mean(x^2) + eps) in fp32, returned in x's dtype, eps = fp32 machine epsilon (F.rms_norm's default
+    for a bf16/fp16 input, computed in fp32): the same values as F.rms_norm. Saves x (its own dtype) and 1/rms
+    (fp32, one per row), the memory-efficient layout of Apex's FusedRMSNorm and Liger's RMSNorm; backward:
+    dx = r * (g - y * mean(g * y)) with r = 1/rms, y = x * r, all in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+        ctx.save_for_backward(x, r)
+        return (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, r = ctx.saved_tensors
+        y, g = x.float() * r, grad.float()
+        return (r * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def compute_dtype(x):
+    """The dtype a matmul on x runs in: autocast's for x's device type when autocast is on there, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def apply_rotary_emb(x, cos, sin):
@@ -203,6 +238,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache=None, segments=None):
         B, T, _ = x.size()
+        x = x.to(compute_dtype(x))  # one copy for c_q, c_k and c_v to share (autocast would cast x for each)
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -259,6 +295,7 @@ class GPT(nn.Module):
                             f"(got model_dim={c.model_dim}, n_head={c.n_head}, n_kv_head={c.n_kv_head})")
         self.config = config
         self.activation_checkpointing = False
+        self.loss_chunk_size = None  # tokens per chunk of the head's loss; None: head_loss.chunk_size_for the shapes
         self.head_dim = c.model_dim // c.n_head
         # on the meta device nn.Embedding's own init would import torch._dynamo (a measured start-up cost) for
         # nothing: hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
@@ -343,12 +380,14 @@ class GPT(nn.Module):
                 group["initial_lr"] = group["lr"]
         return [adamw, muon]
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", doc_ids=None):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", doc_ids=None, last_only=False):
         """
-        idx: int64 (B, T) token ids. Without targets returns fp32 logits (B, T, vocab_size) (soft-capped at +-15).
+        idx: int64 (B, T) token ids. Without targets returns fp32 logits (B, T, vocab_size) (soft-capped at +-15), or
+        (B, 1, vocab_size) for the last position only with last_only=True (generation).
         With targets (int64 (B, T), -1 = ignored) returns the fp32 cross-entropy: a scalar for loss_reduction "mean"
         or "sum", (B*T,) for "none" (0 at ignored positions). "sum" over no counted target is 0 (not NaN); "mean"
-        over none is NaN. With kv_cache, the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix.
+        over none is NaN. The loss never materialises the logits: nanotrain.head_loss.linear_cross_entropy computes
+        head and loss loss_chunk_size tokens at a time (the attribute; None: chosen from the shapes). With kv_cache, the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix.
         doc_ids: optional int (B, T) sequence id per token for packed rows (see segment_info): every run of equal
         consecutive ids is an independent sequence with positions from 0 that attends only to itself; the caller
         masks targets that would cross a boundary. Runs on flash-attn's varlen kernel on CUDA in bf16/fp16 when
@@ -383,12 +422,14 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, cos_sin, None, segments, use_reentrant=False, preserve_rng_state=False)
             else:
                 x = block(x, cos_sin, kv_cache, segments)
-        logits = self.lm_head(norm(x)).float()
-        logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1,
-                               reduction=loss_reduction)
+        x = norm(x)
+        if targets is not None:  # the head and its loss in chunks of tokens: no (B, T, vocab) logits are kept
+            return linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.view(B * T), SOFTCAP,
+                                        loss_reduction, self.loss_chunk_size)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x).float()
+        return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
     @torch.inference_mode()
     def generate(self, tokens, max_tokens, temperature=0.0, top_k=None, seed=42):
@@ -414,7 +455,7 @@ class GPT(nn.Module):
         kv_cache = KVCache(1, c.n_kv_head, self.head_dim, c.n_layer, len(tokens) + max_tokens, device, dtype)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
         for _ in range(max_tokens):
-            logits = self.forward(ids, kv_cache=kv_cache)[:, -1, :]  # (1, vocab_size) fp32
+            logits = self.forward(ids, kv_cache=kv_cache, last_only=True)[:, -1, :]  # (1, vocab_size) fp32
             if temperature == 0:
                 ids = logits.argmax(dim=-1, keepdim=True)
             else:

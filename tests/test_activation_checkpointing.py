@@ -179,7 +179,7 @@ def test_discovery_finds_a_larger_batch_and_its_own_cache_entry(tmp_path, monkey
     found without it, or, the other way round, a plain run an oversized one) and probes of the plain model.
     """
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
-    config = config_from_depth(1, 512, 64)
+    config = config_from_depth(2, 512, 64)  # at depth 1 the one recomputed block is the whole peak: nothing to save
     args = dict(max_seq_len=64, vocab_size=512, total_batch_size=64 * 16, world_size=1, device="cpu",
                 margin=1.0, key_fields={}, log=lambda *a, **k: None)
     peak16 = {ac: measure_fake_peak(gpt_builder(config, activation_checkpointing=ac), 16, max_seq_len=64,
