@@ -8,6 +8,7 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
   (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
   (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
+- the head's loss in chunks of tokens (nanotrain.head_loss): training never holds (B, T, vocab) logits
 - optional activation checkpointing per block (model.activation_checkpointing = True): Chen et al. 2016, "Training
   Deep Nets with Sublinear Memory Cost"; torch.utils.checkpoint, non-reentrant, as torchtitan/nanotron do per layer.
 """
