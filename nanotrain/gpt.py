@@ -256,7 +256,32 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.model_dim, config.model_dim, bias=False)
 
     def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        return _ReluSquaredProj.apply(self.c_fc(x), self.c_proj.weight)
+
+
+class _ReluSquaredProj(torch.autograd.Function):
+    """
+    c_proj(relu(h)^2), i.e. relu(h).square() @ weight.T with weight (model_dim, 4 * model_dim) cast to h's dtype (the
+    autocast dtype when autocast is on: h is c_fc's output), same values as the two ops in eager. Backward keeps only
+    relu(h) and recomputes its square for the weight's gradient, where eager autograd keeps both (the "selective
+    activation recomputation" of Korthikanti et al. 2022, applied to the activation function): 8 bytes per token per
+    model_dim less under bf16. dL/dh = 2 relu(h) * (g @ weight); dL/dweight = g.T @ relu(h)^2.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight):
+        r = F.relu(h)
+        w = weight.to(h.dtype)
+        ctx.save_for_backward(r, w)
+        ctx.weight_dtype = weight.dtype
+        return r.square() @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        r, w = ctx.saved_tensors
+        g = grad.to(r.dtype)
+        grad_weight = (g.flatten(0, -2).t() @ r.square().flatten(0, -2)).to(ctx.weight_dtype)
+        return (g @ w).mul_(r).mul_(2), grad_weight
 
 
 class Block(nn.Module):
