@@ -413,7 +413,8 @@ class GPT(nn.Module):
         With targets (int64 (B, T), -1 = ignored) returns the fp32 cross-entropy: a scalar for loss_reduction "mean"
         or "sum", (B*T,) for "none" (0 at ignored positions). "sum" over no counted target is 0 (not NaN); "mean"
         over none is NaN. The loss never materialises the logits: nanotrain.head_loss.linear_cross_entropy computes
-        head and loss loss_chunk_size tokens at a time (the attribute; None: chosen from the shapes). With kv_cache, the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix.
+        head and loss loss_chunk_size tokens at a time (the attribute; None: chosen from the shapes). With kv_cache,
+        the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix.
         doc_ids: optional int (B, T) sequence id per token for packed rows (see segment_info): every run of equal
         consecutive ids is an independent sequence with positions from 0 that attends only to itself; the caller
         masks targets that would cross a boundary. Runs on flash-attn's varlen kernel on CUDA in bf16/fp16 when

@@ -126,7 +126,8 @@ def linear_cross_entropy(hidden, weight, targets, softcap=None, reduction="mean"
     int64 (N,), IGNORE_INDEX (-1) = not counted. The matmuls run in the autocast dtype when autocast is on for
     hidden's device (as nn.Linear would), else in weight's dtype; logits, log-sum-exp and the loss are fp32.
     Returns fp32: a scalar for "mean" (NaN when no target counts) and "sum" (0 then), (N,) for "none" (0 at ignored
-    targets). Gradients flow to hidden and weight in their own dtypes (weight's is summed over the chunks in fp32). chunk_size: tokens per chunk, default chunk_size_for(N, d, vocab).
+    targets). Gradients flow to hidden and weight in their own dtypes (weight's is summed over the chunks in fp32).
+    chunk_size: tokens per chunk, default chunk_size_for(N, d, vocab).
     Raises ValueError for an unknown reduction, mismatched shapes or chunk_size < 1.
     """
     if reduction not in ("mean", "sum", "none"):
