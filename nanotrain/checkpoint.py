@@ -10,25 +10,48 @@ Layout of a run directory (<base_dir>/<stage>/<run>/):
                                 (under FSDP2 the shards are gathered first: the files are the same in both modes,
                                 so a run can resume with or without --fsdp; nanotrain.fsdp)
         rank_00000.pt ...       per-rank state: RNG states and the data loader position
-        meta.json               step, settings, model config, tokens seen, version, git commit (written last)
+        meta.json               step, settings, model config, tokens seen, the tokenizer's sha256, version, git
+                                commit (written last)
+    .lock                       held (fcntl.flock) by the process that trains the run: a second run of the same name
+                                refuses to start while the first one runs
 
 A checkpoint is written into step_XXXXXX.tmp/ by all ranks and renamed by rank 0 once every file is in place, so a
 directory named step_XXXXXX/ with a meta.json is always complete. Everything is loaded with
 torch.load(weights_only=True): no arbitrary pickle is ever executed.
 """
 
+import errno
 import json
 import os
 import shutil
+import socket
+import sys
+import time
 import warnings
 
 import torch
 
 import nanotrain
-from nanotrain.common import UserError, atomic_write_json, barrier, get_base_dir, git_commit, print0
+from nanotrain.common import (
+    UserError,
+    all_reduce_scalar,
+    any_rank,
+    atomic_write_json,
+    barrier,
+    get_base_dir,
+    git_commit,
+    print0,
+)
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
 
+try:  # POSIX (Linux, macOS); elsewhere runs are not locked
+    import fcntl
+except ImportError:
+    fcntl = None
+
 CHECKPOINT_FORMAT = 1
+LOCK_FILE = ".lock"
+_held_locks = {}  # real path of a run directory -> the open lock file this process holds until it exits
 
 
 def get_run_dir(stage, run):
@@ -38,6 +61,58 @@ def get_run_dir(stage, run):
     return path
 
 
+def lock_run_dir(run_dir, device, rank=0):
+    """
+    Makes this process the only writer of `run_dir` until it exits: rank 0 takes an exclusive fcntl.flock on
+    <run_dir>/.lock and writes its pid, host, start time and command line into it. The kernel releases the lock
+    however the process ends (SIGKILL included), so a finished or killed run never blocks the next one. Collective
+    under DDP (every rank calls it; `device` carries the agreement). Taking it again in the same process is a no-op.
+    Raises UserError naming the holder (pid, host, start, command) when another process holds the lock.
+    """
+    key = os.path.realpath(run_dir)
+    taken, holder = True, ""
+    if rank == 0 and fcntl is not None and key not in _held_locks:
+        f = open(os.path.join(run_dir, LOCK_FILE), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            taken = False
+        else:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                    f"{' '.join(sys.argv)}\n")
+            f.flush()
+            _held_locks[key] = f
+    if any_rank(not taken, device):
+        raise UserError(f"the run directory {run_dir} is in use by {holder or 'another process'}; wait for it to "
+                        f"end or choose another --run_name")
+
+
+def _free_bytes(path):
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _save_failed(exc, root, final, tmp, rank):
+    """The one-line UserError for a checkpoint write that failed with `exc`, after removing the unfinished `tmp`."""
+    free = _free_bytes(root)  # measured before the cleanup gives the space back
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = [p for p in list_checkpoints(os.path.dirname(root)) if p != final]
+    kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+    full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (free is not None and
+                                                                                    free < 64 * 2**20)
+    what = (f"disk full ({free / 2**20:.1f} MiB free)" if full and free is not None else "disk full" if full else
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    return UserError(f"writing the checkpoint {final} failed on rank {rank}: {what}; its unfinished files were "
+                     f"removed and {kept}; free space, then run again with --resume=True")
+
+
 def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, world_size=1, keep_last=0):
     """
     Writes checkpoints/step_{step:06d}/ atomically. Collective under DDP and FSDP: every rank must call it.
@@ -45,29 +120,39 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
     so the file is the unsharded state dict); optimizers: list (rank 0 saves their states, gathered likewise);
     meta: JSON-serialisable dict (step, version and git commit are added); rank_state: this rank's dict of tensors and
     plain values (RNG, loader state). keep_last > 0 deletes all but the newest keep_last checkpoints.
-    Returns the checkpoint's path.
+    Unfinished directories of earlier writes (step_*.tmp, left by a killed run) are removed first. Returns the
+    checkpoint's path. Raises UserError (one line: "disk full" when the filesystem is out of space) if a file cannot
+    be written; the unfinished directory is then removed and the earlier checkpoints are untouched.
     """
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for name in os.listdir(root):
+            if name.endswith((".tmp", ".old")):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
     barrier()
-    torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
     if is_fsdp(model):  # collective: all ranks gather, rank 0 receives
         model_state, optim_states = full_state_dicts(model, optimizers)
     elif rank == 0:
         model_state, optim_states = model.state_dict(), [opt.state_dict() for opt in optimizers]
-    if rank == 0:
-        torch.save(model_state, os.path.join(tmp, "model.pt"))
-        torch.save(optim_states, os.path.join(tmp, "optim.pt"))
+    try:
+        torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            torch.save(model_state, os.path.join(tmp, "model.pt"))
+            torch.save(optim_states, os.path.join(tmp, "optim.pt"))
+    except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+        raise _save_failed(exc, root, final, tmp, rank) from None
     barrier()
     if rank == 0:
         meta = dict(meta, step=step, world_size=world_size, format=CHECKPOINT_FORMAT,
                     nanotrain_version=nanotrain.__version__, git_commit=git_commit(), torch_version=torch.__version__)
-        atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+        try:
+            atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+        except OSError as exc:
+            raise _save_failed(exc, root, final, tmp, rank) from None
         if os.path.exists(final):  # saving the same step again (e.g. a resumed run that stops at once)
             old = final + ".old"
             shutil.rmtree(old, ignore_errors=True)
@@ -87,25 +172,53 @@ def load_optimizers(model, optimizers, states):
     """
     Loads the optimizer states of a checkpoint (the "optim" list of load_checkpoint) into `optimizers`, the list
     model.setup_optimizers() returned. For a model sharded with FSDP2 each rank keeps its shard of the full states
-    (collective; nanotrain.fsdp.load_optimizer_states), else opt.load_state_dict. Raises ValueError on a count mismatch.
+    (collective; nanotrain.fsdp.load_optimizer_states), else opt.load_state_dict. The learning rates and weight decay
+    of this run's flags win over the checkpoint's: every param group keeps the "initial_lr" and "weight_decay" that
+    setup_optimizers gave it (a loaded state dict would bring the saved ones back). Returns the list of changes as
+    readable strings ("AdamW group 0: initial_lr 0.004 -> 0.002"), empty when the flags are unchanged.
+    Raises ValueError on a count mismatch.
     """
     if len(states) != len(optimizers):
         raise ValueError(f"the checkpoint has {len(states)} optimizer states, the model {len(optimizers)} optimizers")
+    fresh = [[{k: g[k] for k in ("initial_lr", "weight_decay") if k in g} for g in opt.param_groups]
+             for opt in optimizers]
     if is_fsdp(model):
         load_optimizer_states(model, optimizers, states)
-        return
-    for opt, state in zip(optimizers, states):
-        opt.load_state_dict(state)
+    else:
+        for opt, state in zip(optimizers, states):
+            opt.load_state_dict(state)
+    changes = []
+    for opt, groups in zip(optimizers, fresh):
+        for i, (group, want) in enumerate(zip(opt.param_groups, groups)):
+            for k, v in want.items():
+                if group.get(k) != v:
+                    changes.append(f"{type(opt).__name__} group {i}: {k} {group.get(k):.6g} -> {v:.6g}")
+                    group[k] = v
+    return changes
 
 
-def resume_checkpoint(run_dir, device, rank=0):
+def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
     """
-    The checkpoint a --resume=True run continues from: load_latest(run_dir, device, rank) with the optimizer state,
-    or None (and a warning on rank 0 that the run starts fresh) when run_dir has no complete checkpoint.
+    The checkpoint a --resume=True run continues from: the newest checkpoint of run_dir that every rank can read
+    (load_latest on each rank, then the ranks agree on the oldest of their choices: collective under DDP over
+    `comm_device`, default `device`), with the optimizer state, tensors on `device`. None (and a line on rank 0 that
+    the run starts fresh) when run_dir has no checkpoint at all. Raises UserError when checkpoints exist but none can
+    be read on some rank: resuming would silently lose the run, so the user must choose (--resume=False starts over).
     """
+    paths = list_checkpoints(run_dir)
     ckpt = load_latest(run_dir, device, rank)
-    if ckpt is None:
-        print0(f"warning: --resume=True but {run_dir} has no complete checkpoint; starting fresh")
+    step = ckpt["meta"]["step"] if ckpt is not None else -1
+    agreed = int(all_reduce_scalar(step, "min", comm_device or device))
+    if not paths:
+        print0(f"--resume=True: {run_dir} has no checkpoint yet; starting fresh")
+        return None
+    if agreed < 0:
+        raise UserError(f"--resume=True: none of the {len(paths)} checkpoints in {run_dir} can be read (see the "
+                        f"warnings above); run with --resume=False to start this run over from step 0")
+    if agreed != step:  # another rank could not read this rank's newest: take the one every rank has
+        path = next(p for p in paths if p.endswith(f"step_{agreed:06d}"))
+        print0(f"--resume=True: resuming from {path}, the newest checkpoint every rank can read")
+        ckpt = load_checkpoint(path, device, rank)
     return ckpt
 
 
@@ -141,7 +254,10 @@ def list_checkpoints(run_dir):
 def load_checkpoint(path, device, rank=0, load_optimizer=True):
     """
     Loads one checkpoint directory. Returns {"meta", "model", "optim" (or None), "rank_state" (or None)}, tensors
-    mapped to `device` (rank state stays on the CPU). Raises ValueError/RuntimeError/OSError if it is unreadable.
+    mapped to `device` (rank state stays on the CPU). rank_state is None when the checkpoint was written by fewer
+    than rank + 1 processes; with load_optimizer (a resume) a missing rank file of a rank that did write is an
+    incomplete checkpoint. Raises ValueError/RuntimeError/OSError (FileNotFoundError for a missing file) if it is
+    unreadable.
     """
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
@@ -150,6 +266,8 @@ def load_checkpoint(path, device, rank=0, load_optimizer=True):
     if load_optimizer:
         optim = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True)
     rank_file = os.path.join(path, f"rank_{rank:05d}.pt")
+    if load_optimizer and rank < meta.get("world_size", 1) and not os.path.exists(rank_file):
+        raise FileNotFoundError(f"{rank_file} is missing")
     rank_state = torch.load(rank_file, map_location="cpu", weights_only=True) if os.path.exists(rank_file) else None
     return {"meta": meta, "model": model, "optim": optim, "rank_state": rank_state, "path": path}
 

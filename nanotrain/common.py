@@ -6,6 +6,7 @@ This module imports nothing else of nanotrain: every other module may import it.
 """
 
 import atexit
+import contextlib
 import json
 import os
 import random
@@ -224,15 +225,23 @@ def compute_cleanup():
 
 
 def atomic_write_text(path, text):
-    """Writes `text` to `path` through a temp file in the same directory and os.replace (never a torn file)."""
+    """
+    Writes `text` to `path` through a temp file in the same directory and os.replace (never a torn file). If the
+    write fails (OSError, e.g. a full disk) the temp file is removed and the error raised; `path` is untouched.
+    """
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def atomic_write_json(path, obj):

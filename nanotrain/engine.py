@@ -138,6 +138,7 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
         raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
     ckpt = load_checkpoint(path, device, load_optimizer=False)
     tokenizer = get_tokenizer()
-    model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size())
+    model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size(),
+                        tokenizer_sha256=tokenizer.fingerprint())
     model.eval()
     return model, tokenizer, path, ckpt["meta"]

@@ -13,7 +13,6 @@ nanotrain's own parameter names (wte.weight, blocks.{i}.attn.c_q.weight, ..., lm
     plus the caller's extra entries (scripts/export.py adds tokenizer_sha256 and source_checkpoint).
 """
 
-import hashlib
 import json
 import os
 
@@ -44,15 +43,6 @@ def clean_state_dict(state_dict):
                     key, stripped = key[len(prefix):], True
         out[key] = value
     return out
-
-
-def tokenizer_sha256(tokenizer_dir):
-    """sha256 (hex) of <tokenizer_dir>/tokenizer.json, or "" if there is none: ties an export to its tokenizer."""
-    path = os.path.join(tokenizer_dir, "tokenizer.json")
-    if not os.path.exists(path):
-        return ""
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _config_dict(model_config):

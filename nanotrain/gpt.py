@@ -494,7 +494,7 @@ class GPT(nn.Module):
             yield ids.item()
 
 
-def build_model(model_config, device, checkpoint=None, vocab_size=None, init_device=None):
+def build_model(model_config, device, checkpoint=None, vocab_size=None, init_device=None, tokenizer_sha256=None):
     """
     The GPT every script trains or samples: built on the meta device (no memory), materialised on `init_device`
     (default `device`; FSDP passes the CPU and shards afterwards), initialised with init_weights() from torch's RNG
@@ -502,7 +502,9 @@ def build_model(model_config, device, checkpoint=None, vocab_size=None, init_dev
     nanotrain.checkpoint.load_checkpoint: "model", "meta", "path") is given. model_config: a GPTConfig (for a
     checkpoint, normally GPTConfig(**checkpoint["meta"]["model_config"]), max_seq_len may differ: it only sizes the
     rotary table). vocab_size: the tokenizer's, checked against the checkpoint's vocab_size (or, without one,
-    model_config's). Returns the GPT in training mode with fp32 weights. Raises UserError on a vocab mismatch.
+    model_config's). tokenizer_sha256: the tokenizer's fingerprint (Tokenizer.fingerprint), checked against the
+    checkpoint's meta["tokenizer_sha256"] when both are there (checkpoints written before it was recorded have none).
+    Returns the GPT in training mode with fp32 weights. Raises UserError on a vocab or tokenizer mismatch.
     """
     if vocab_size is not None:
         have = checkpoint["meta"]["model_config"]["vocab_size"] if checkpoint is not None else model_config.vocab_size
@@ -510,6 +512,11 @@ def build_model(model_config, device, checkpoint=None, vocab_size=None, init_dev
             where = f"the checkpoint {checkpoint['path']}" if checkpoint is not None else "the model config"
             raise UserError(f"{where} has vocab_size {have} but the tokenizer has {vocab_size}; was the tokenizer "
                             f"retrained?")
+    trained_with = checkpoint["meta"].get("tokenizer_sha256") if checkpoint is not None and "meta" in checkpoint else None
+    if tokenizer_sha256 is not None and trained_with is not None and trained_with != tokenizer_sha256:
+        raise UserError(f"the checkpoint {checkpoint['path']} was trained with another tokenizer (sha256 "
+                        f"{trained_with[:12]}..., this one is {tokenizer_sha256[:12]}...); the tokenizer was retrained "
+                        f"since: use the one the model was trained with")
     with torch.device("meta"):
         model = GPT(model_config)
     model.to_empty(device=init_device or device)

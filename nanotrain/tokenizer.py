@@ -14,6 +14,7 @@ turns between special tokens, with a mask that trains the assistant's tokens onl
 
 import base64
 import binascii
+import hashlib
 import json
 import os
 
@@ -114,6 +115,18 @@ class Tokenizer:
     def get_vocab_size(self):
         """Number of token ids: merges (256 bytes included) + 9 special tokens."""
         return len(self.mergeable_ranks) + len(self.special_tokens)
+
+    def fingerprint(self):
+        """
+        sha256 hex digest (64 chars) of what the tokenizer maps: the split pattern, every (token bytes, id) and the
+        special tokens. Equal for equal tokenizers however the file is formatted; a tokenizer retrained with the same
+        vocab_size but other merges gets another one. Stored in every checkpoint and checked when one is loaded.
+        """
+        h = hashlib.sha256()
+        h.update(json.dumps([self.pattern, self.special_tokens], sort_keys=True).encode())
+        for token, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(rank.to_bytes(4, "little") + len(token).to_bytes(4, "little") + token)
+        return h.hexdigest()
 
     def get_special_tokens(self):
         """The special token strings, in id order."""

@@ -8,7 +8,6 @@ The loops themselves stay in the scripts, to be read top to bottom.
 import json
 import math
 import os
-import signal
 import time
 from contextlib import nullcontext
 
@@ -173,24 +172,6 @@ def check_finite(value, step, run_dir, what="loss"):
     if not math.isfinite(value):
         raise UserError(f"non-finite {what} {value} at step {step}; stopped before the update (the last checkpoint "
                         f"in {run_dir}/checkpoints is intact; try a lower lr)")
-
-
-class StopSignals:
-    """
-    Turns the first SIGINT/SIGTERM into a request to stop (`.requested`), so the loop can finish the step, save a
-    checkpoint and exit 0. A second SIGINT raises KeyboardInterrupt at once.
-    """
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        print(f"\nreceived signal {signum}: saving a checkpoint after this step, then exiting", flush=True)
 
 
 def _json_or_none(line):

@@ -8,13 +8,23 @@ Outputs go to <base_dir>/base/<run>/ (base_dir: $NANOTRAIN_BASE_DIR or ~/.cache/
 metrics.jsonl and checkpoints/. Needs a tokenizer (python scripts/tok_train.py).
 """
 
+import nanotrain.stop  # first, before torch: from here on SIGINT/SIGTERM ask the run to stop
+
+# isort: split
 import os
 import time
 
 import torch
 
 from nanotrain.auto_batch_size import OOMStepDown, discover_device_batch_size, gpt_builder
-from nanotrain.checkpoint import check_resume, get_run_dir, load_optimizers, resume_checkpoint, save_checkpoint
+from nanotrain.checkpoint import (
+    check_resume,
+    get_run_dir,
+    load_optimizers,
+    lock_run_dir,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from nanotrain.common import (
     UserError,
     all_reduce_scalar,
@@ -36,7 +46,6 @@ from nanotrain.gpt import adamw_lr_scale, build_model, config_from_depth
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
-    StopSignals,
     check_finite,
     finish_run,
     forward_backward,
@@ -103,7 +112,6 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    signals = StopSignals()  # the first SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0
     compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
     use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     use_fsdp = fsdp and world_size > 1
@@ -112,12 +120,16 @@ def main():
 
     # tokenizer, model config, run directory
     tokenizer = get_tokenizer()
+    tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     token_bytes = get_token_bytes(device)
     vocab_size = tokenizer.get_vocab_size()
     if depth < 1 or max_seq_len < 1:
         raise UserError(f"--depth={depth} and --max_seq_len={max_seq_len} must be positive")
     model_config = config_from_depth(depth, vocab_size, max_seq_len)
+    train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
+    val_files = resolve_data_files(data, "val")
     run_dir = get_run_dir("base", run_name or f"d{depth}")
+    lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
 
     # device batch size: given, discovered (before the model is built, so CUDA probes have the memory), or 32;
     # only grad_accum_steps depends on it, the optimization does not
@@ -148,13 +160,13 @@ def main():
     rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches
 
     # resume: the newest complete checkpoint of this run, written with the same data and sizes
-    ckpt = resume_checkpoint(run_dir, torch.device("cpu") if use_fsdp else device, rank) if resume else None
+    ckpt = resume_checkpoint(run_dir, torch.device("cpu") if use_fsdp else device, rank, device) if resume else None
     if ckpt is not None:
         check_resume(ckpt, run_dir, config, RESUME_KEYS, world_size)
 
     # model: initialised from the seed (or loaded), then sharded (FSDP), its optimizers, then compiled and wrapped
     seed_everything(seed)
-    model = build_model(model_config, device, ckpt, vocab_size,
+    model = build_model(model_config, device, ckpt, vocab_size, tokenizer_sha256=tokenizer_sha256,
                         init_device=torch.device("cpu") if use_fsdp else None)  # FSDP: whole on the host only
     model.activation_checkpointing = activation_checkpointing  # before FSDP / DDP / compile wrap it
     if use_fsdp:  # in place, block by block onto the device (the CPU init equals DDP's on CPU, not CUDA's RNG)
@@ -165,7 +177,8 @@ def main():
     optimizers = model.setup_optimizers(matrix_lr=matrix_lr, embedding_lr=embedding_lr,
                                         unembedding_lr=unembedding_lr, weight_decay=weight_decay, ns_dtype=ns_dtype)
     if ckpt is not None:
-        load_optimizers(model, optimizers, ckpt["optim"])
+        for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
+            print0(f"--resume=True: optimizer setting from this run's flags: {change}")
     if use_compile:
         model = torch.compile(model, dynamic=False)
     if is_ddp and not use_fsdp:
@@ -183,8 +196,6 @@ def main():
         raise UserError("set --num_iterations or a --target_param_data_ratio > 0")
 
     # data: each rank reads its own share of the documents; the loader's position is part of every checkpoint
-    train_files = resolve_data_files(data, "train")
-    val_files = resolve_data_files(data, "val")
     train_loader = TokenLoader(tokenizer, train_files, device_batch_size, max_seq_len, device, rank, world_size)
     if ckpt is not None:
         train_loader.load_state_dict(ckpt["rank_state"]["loader"])
@@ -210,6 +221,7 @@ def main():
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": config, "model_config": vars(model_config), "tokens_seen": tokens_seen,
+                "tokenizer_sha256": tokenizer_sha256,
                 "train_time": train_time, "device_batch_size": device_batch_size, "max_seq_len": max_seq_len,
                 "total_batch_size": total_batch_size}
         rank_state = {"rng": rng_state(device), "loader": train_loader.state_dict()}
@@ -259,7 +271,7 @@ def main():
         else:
             loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
         train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
-        stop = any_rank(signals.requested, device)  # every rank stops after the same step
+        stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)

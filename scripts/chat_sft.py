@@ -19,6 +19,9 @@ init_lr_frac 0.8 as nanochat HEAD; on the CPU recipe's depth-4 model after mid-t
 Outputs go to <base_dir>/sft/<run>/ (config.json, metrics.jsonl, checkpoints/), read by chat_cli.py and chat_eval.py.
 """
 
+import nanotrain.stop  # first, before torch: from here on SIGINT/SIGTERM ask the run to stop
+
+# isort: split
 import os
 import time
 
@@ -31,6 +34,7 @@ from nanotrain.checkpoint import (
     get_run_dir,
     load_latest,
     load_optimizers,
+    lock_run_dir,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -62,7 +66,6 @@ from nanotrain.sft_data import (
 )
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
-    StopSignals,
     check_finite,
     finish_run,
     lr_multiplier,
@@ -157,10 +160,10 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    signals = StopSignals()  # the first SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0
     compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
     use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     tokenizer = get_tokenizer()
+    tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     if long_conversations not in LONG_POLICIES:
         raise UserError(f"--long_conversations={long_conversations!r}: expected one of {', '.join(LONG_POLICIES)}")
     max_tokens_per_device = config["max_tokens_per_device"]
@@ -175,6 +178,7 @@ def main():
     # the starting point: this run's checkpoint (resume) or the source checkpoint (fresh run)
     source_dir, stage = (None, None) if (resume and run_name) else find_source_dir()
     run_dir = get_run_dir("sft", run_name or os.path.basename(source_dir))
+    lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
     ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     src = None
     if ckpt is None:
@@ -236,7 +240,7 @@ def main():
 
     # model: the source weights (or this run's checkpoint) in fp32, then its optimizers, compiled and wrapped
     seed_everything(seed)
-    model = build_model(model_config, device, start, tokenizer.get_vocab_size())
+    model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
     del src, start
     model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
@@ -245,7 +249,8 @@ def main():
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(**opt_kwargs)
     if ckpt is not None:
-        load_optimizers(model, optimizers, ckpt["optim"])
+        for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
+            print0(f"--resume=True: optimizer setting from this run's flags: {change}")
     if use_compile:
         model = torch.compile(model, dynamic=True)
     if is_ddp:
@@ -276,6 +281,7 @@ def main():
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
+                "tokenizer_sha256": tokenizer_sha256,
                 "train_time": train_time, "max_seq_len": max_seq_len, "source": source_path,
                 "max_conversations_per_device": max_conversations_per_device,
                 "examples_per_step": examples_per_step}
@@ -325,7 +331,7 @@ def main():
         batches = batches_of(examples)
         scaled_loss, count = backward_step(model, batches, autocast_ctx)
         train_loss = all_reduce_scalar(scaled_loss, "mean", device)  # the global token mean
-        stop = any_rank(signals.requested, device)  # every rank stops after the same step
+        stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         # clip, set the scheduled lr, update, zero the gradients (no update for a step without a trained token)
         lrm = lr_multiplier(step, total_steps, 0.0, warmdown_ratio, 0.0)
         if count == 0:

@@ -17,8 +17,7 @@ from nanotrain.checkpoint import find_run_dir, list_checkpoints
 from nanotrain.common import UserError, run_script
 from nanotrain.configurator import configure
 from nanotrain.engine import load_model
-from nanotrain.export import export_safetensors, load_safetensors, tokenizer_sha256
-from nanotrain.tokenizer import get_tokenizer_dir
+from nanotrain.export import export_safetensors, load_safetensors
 
 source = "sft"  # which training stage's checkpoints: base | mid | sft
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -45,13 +44,13 @@ def main():
     if dtype not in DTYPES:
         raise UserError(f"--dtype={dtype!r}: expected '', 'float32' or 'bfloat16'")
     try:
-        model, _, ckpt_path, meta = load_model(source, run_name, step, "cpu")
+        model, tokenizer, ckpt_path, meta = load_model(source, run_name, step, "cpu")
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:  # a corrupt or partial checkpoint
         where = checkpoint_path(source, run_name, step) or f"--source={source} --run_name={run_name}"
         raise UserError(f"cannot read the checkpoint {where}: {type(exc).__name__}: {str(exc)[:200]}") from None
     run_dir = os.path.dirname(os.path.dirname(ckpt_path))  # <run_dir>/checkpoints/step_XXXXXX
     path = out or os.path.join(run_dir, "export", "model.safetensors")
-    extra = {"tokenizer_sha256": tokenizer_sha256(get_tokenizer_dir()), "source_checkpoint": ckpt_path,
+    extra = {"tokenizer_sha256": tokenizer.fingerprint(), "source_checkpoint": ckpt_path,
              "source_stage": source, "step": meta.get("step", ""), "git_commit": meta.get("git_commit") or ""}
     export_safetensors(model, model.config, path, dtype=DTYPES[dtype], metadata=extra)
     size = os.path.getsize(path)

@@ -12,6 +12,9 @@ Conversations run across row boundaries with plain causal attention, as document
 Outputs go to <base_dir>/mid/<run>/ (config.json, metrics.jsonl, checkpoints/), read by scripts/chat_sft.py.
 """
 
+import nanotrain.stop  # first, before torch: from here on SIGINT/SIGTERM ask the run to stop
+
+# isort: split
 import os
 import time
 
@@ -24,6 +27,7 @@ from nanotrain.checkpoint import (
     get_run_dir,
     load_latest,
     load_optimizers,
+    lock_run_dir,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -48,7 +52,6 @@ from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
-    StopSignals,
     check_finite,
     finish_run,
     forward_backward,
@@ -113,10 +116,10 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    signals = StopSignals()  # the first SIGINT/SIGTERM: finish the step, save a checkpoint, exit 0
     compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
     use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     tokenizer = get_tokenizer()
+    tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     token_bytes = get_token_bytes(device)
 
     # the starting point: this run's checkpoint (resume) or the newest base checkpoint (model config and weights)
@@ -125,6 +128,7 @@ def main():
         where = f" for --base_run_name={base_run_name}" if base_run_name else ""
         raise UserError(f"no base checkpoint found{where}; train one first (python scripts/base_train.py)")
     run_dir = get_run_dir("mid", run_name or os.path.basename(base_dir))
+    lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
     ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     base = None
     if ckpt is None:
@@ -166,7 +170,7 @@ def main():
 
     # model: the base weights (or this run's checkpoint) in fp32, max_seq_len possibly changed (rotary only)
     seed_everything(seed)
-    model = build_model(model_config, device, start, tokenizer.get_vocab_size())
+    model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = start["path"] if ckpt is None else ckpt["meta"]["source"]
     del base, start
     model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
@@ -175,7 +179,8 @@ def main():
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(**opt_kwargs)
     if ckpt is not None:
-        load_optimizers(model, optimizers, ckpt["optim"])
+        for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
+            print0(f"--resume=True: optimizer setting from this run's flags: {change}")
     if use_compile:
         model = torch.compile(model, dynamic=False)
     if is_ddp:
@@ -227,6 +232,7 @@ def main():
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
+                "tokenizer_sha256": tokenizer_sha256,
                 "train_time": train_time, "device_batch_size": device_batch_size, "max_seq_len": max_seq_len,
                 "total_batch_size": total_batch_size, "source": source_path}
         rank_state = {"rng": rng_state(device), "loader": train_stream.state_dict()}
@@ -278,7 +284,7 @@ def main():
         else:
             loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
         train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
-        stop = any_rank(signals.requested, device)  # every rank stops after the same step
+        stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)

@@ -99,7 +99,7 @@ def test_resume_checks_settings_and_world_size(tmp_path, capsys):
     from nanotrain.checkpoint import check_resume, resume_checkpoint
     from nanotrain.common import UserError
     run = str(tmp_path / "run")
-    assert resume_checkpoint(run, "cpu") is None and "no complete checkpoint" in capsys.readouterr().out
+    assert resume_checkpoint(run, "cpu") is None and "no checkpoint yet" in capsys.readouterr().out
     model, opts = setup()
     state = {"rng": rng_state("cpu")}
     save_checkpoint(run, 3, model, opts, {"config": {"data": "a", "seq": 16, "lr": 0.1}}, state)
@@ -110,3 +110,150 @@ def test_resume_checks_settings_and_world_size(tmp_path, capsys):
         check_resume(ckpt, run, {"data": "a", "seq": 32, "lr": 0.1}, ("data", "seq"), 1)
     with pytest.raises(UserError, match="world_size 1; resume with the same number of processes \\(2\\)"):
         check_resume(ckpt, run, {"data": "a", "seq": 16, "lr": 0.1}, ("data", "seq"), 2)
+
+
+def test_missing_rank_file_falls_back_to_the_previous_checkpoint(tmp_path):
+    """
+    A resume whose newest checkpoint lacks this rank's rank_00000.pt (deleted or never written) uses the previous
+    complete checkpoint, with a warning naming the missing file. The old code returned the newest checkpoint with no
+    rank state, and the resume then failed with a misleading "written with world_size 1" message.
+    """
+    from nanotrain.checkpoint import resume_checkpoint
+    model, opts = setup()
+    for step in (5, 10):
+        save_checkpoint(str(tmp_path), step, model, opts, {"config": {}}, {"loader": {"step": step}})
+    os.remove(tmp_path / "checkpoints" / "step_000010" / "rank_00000.pt")
+    with pytest.warns(UserWarning, match="rank_00000.pt is missing"):
+        ck = resume_checkpoint(str(tmp_path), "cpu")
+    assert ck["meta"]["step"] == 5 and ck["rank_state"]["loader"] == {"step": 5}
+
+
+def test_resume_refuses_when_no_checkpoint_can_be_read(tmp_path, capsys):
+    """
+    Checkpoints exist but none can be read: resume_checkpoint raises UserError pointing at --resume=False (the old
+    code warned and returned None, so the run restarted from step 1 over its own metrics). An empty run directory
+    is still a fresh start.
+    """
+    from nanotrain.checkpoint import resume_checkpoint
+    from nanotrain.common import UserError
+    model, opts = setup()
+    path = save_checkpoint(str(tmp_path), 5, model, opts, {"config": {}}, {})
+    with open(os.path.join(path, "model.pt"), "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(UserWarning, match="skipping unreadable checkpoint"):
+        with pytest.raises(UserError, match="none of the 1 checkpoints.*--resume=False"):
+            resume_checkpoint(str(tmp_path), "cpu")
+    assert resume_checkpoint(str(tmp_path / "new_run"), "cpu") is None
+
+
+def test_resume_applies_this_runs_learning_rates(tmp_path):
+    """
+    load_optimizers keeps the lr and weight decay of this run's flags (setup_optimizers) over the checkpoint's and
+    reports each change; with unchanged flags it changes nothing and reports nothing. The old code let the loaded
+    state dict bring the saved lrs back, so --matrix_lr on resume was silently ignored while config.json recorded it.
+    """
+    from nanotrain.checkpoint import load_optimizers
+    model, opts = setup()
+    states = [o.state_dict() for o in opts]
+    same = model.setup_optimizers()
+    assert load_optimizers(model, same, states) == []
+    assert [g["initial_lr"] for o in same for g in o.param_groups] == [g["initial_lr"] for o in opts
+                                                                       for g in o.param_groups]
+    halved = model.setup_optimizers(matrix_lr=0.01, embedding_lr=0.1, unembedding_lr=0.004)
+    wanted = [g["initial_lr"] for o in halved for g in o.param_groups]
+    changes = load_optimizers(model, halved, states)
+    assert [g["initial_lr"] for o in halved for g in o.param_groups] == wanted
+    assert len(changes) == 2 and any("Muon group 0: initial_lr 0.02 -> 0.01" == c for c in changes), changes
+    assert halved[1].state_dict()["state"].keys() == states[1]["state"].keys()  # the momentum buffers did load
+
+
+def test_lock_run_dir_refuses_a_second_process_until_the_first_exits(tmp_path):
+    """
+    A run directory locked by another live process cannot be locked: UserError names that process's pid; once it
+    has exited (here killed, so nothing released the lock by hand) the lock is free. The old code had no lock, so two
+    runs of one name interleaved their checkpoints and metrics.
+    """
+    import subprocess
+    import sys
+
+    from nanotrain.checkpoint import lock_run_dir
+    from nanotrain.common import UserError
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from nanotrain.checkpoint import lock_run_dir; lock_run_dir(sys.argv[1], 'cpu'); "
+        "print('locked', flush=True); time.sleep(60)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=f"in use by pid {holder.pid} on "):
+            lock_run_dir(str(tmp_path), "cpu")
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_run_dir(str(tmp_path), "cpu")
+    lock_run_dir(str(tmp_path), "cpu")  # again in the same process: a no-op
+
+
+def _full_disk_message(tmp_path, monkeypatch, fail_on):
+    """save_checkpoint a second time with torch.save failing (ENOSPC) on the file named `fail_on`."""
+    import errno
+
+    import nanotrain.checkpoint as ckpt_module
+    from nanotrain.common import UserError
+    model, opts = setup()
+    save_checkpoint(str(tmp_path), 5, model, opts, {"config": {}}, {})
+    real_save = torch.save
+
+    def save(obj, f):
+        if os.path.basename(f) == fail_on:
+            with open(f, "wb") as out:
+                out.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f)
+    monkeypatch.setattr(ckpt_module.torch, "save", save)
+    with pytest.raises(UserError) as info:
+        save_checkpoint(str(tmp_path), 10, model, opts, {"config": {}}, {})
+    monkeypatch.setattr(ckpt_module.torch, "save", real_save)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("fail_on", ["rank_00000.pt", "model.pt", "optim.pt"])
+def test_disk_full_during_a_save_is_one_line_and_leaves_no_partial_files(tmp_path, monkeypatch, fail_on):
+    """
+    A write that fails with ENOSPC in any file of a checkpoint: one UserError line that says "disk full" and names
+    the intact previous checkpoint, no step_000010.tmp left to keep the disk full, and the step-5 checkpoint still
+    loads. The old code raised torch's error and left the .tmp directory (so the next resume hit a full disk too).
+    """
+    msg = _full_disk_message(tmp_path, monkeypatch, fail_on)
+    assert "disk full" in msg and "step_000005 is intact" in msg and "\n" not in msg, msg
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_000005"]
+    assert load_latest(str(tmp_path), "cpu")["meta"]["step"] == 5
+
+
+def test_a_really_full_filesystem(tmp_path):
+    """
+    The same on a real full filesystem (a 2 MiB tmpfs; skipped where mounting is not allowed): torch's zip writer
+    reports it as an opaque RuntimeError ("unexpected pos ..."), which must still read "disk full".
+    """
+    import subprocess
+
+    from nanotrain.common import UserError
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        model, opts = setup()
+        save_checkpoint(str(mnt), 5, model, opts, {"config": {}}, {})
+        with open(mnt / "filler", "wb") as f:  # fill what is left, as another process would
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        with pytest.raises(UserError, match="disk full.*step_000005 is intact") as info:
+            save_checkpoint(str(mnt), 10, model, opts, {"config": {}}, {})
+        assert "\n" not in str(info.value)
+        assert sorted(os.listdir(mnt / "checkpoints")) == ["step_000005"]
+        assert load_latest(str(mnt), "cpu")["meta"]["step"] == 5
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

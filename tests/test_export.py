@@ -141,7 +141,7 @@ def test_export_script_end_to_end(base_dir):
     assert "verified: reloaded logits equal" in fp32.stdout
     path = os.path.join(base_dir, "base", "t", "export", "model.safetensors")
     from nanotrain.engine import load_model
-    from nanotrain.export import tokenizer_sha256
+    from nanotrain.tokenizer import get_tokenizer
     model, _, ckpt_path, _ = load_model("base", "t")
     loaded, config = load_safetensors(path)
     idx = torch.arange(32).view(2, 16)
@@ -149,7 +149,7 @@ def test_export_script_end_to_end(base_dir):
         assert torch.equal(model(idx), loaded(idx))
     with safe_open(path, framework="pt") as f:
         meta = f.metadata()
-    assert meta["tokenizer_sha256"] == tokenizer_sha256(os.path.join(base_dir, "tokenizer"))
+    assert meta["tokenizer_sha256"] == get_tokenizer().fingerprint()
     assert meta["source_checkpoint"] == ckpt_path and meta["step"] == "2"
 
     errors = [ln for ln in bad.stderr.splitlines() if not ln.startswith("Overriding: ")]

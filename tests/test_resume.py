@@ -144,13 +144,21 @@ def runs(shared_base_dir, tmp_path_factory):
     prepare("skip15", 15, set_loader({"epoch": 1, "doc_index": 1, "offset": 0}))
     corrupt(prepare("fallback", 10), 10)
     corrupt(prepare("fresh", 5, keep={5}), 5)
+    fresh_before = {f: open(os.path.join(base, "base", "fresh", f), "rb").read()
+                    for f in ("metrics.jsonl", os.path.join("checkpoints", "step_000005", "model.pt"))}
     jobs = {name: [*args, f"--run_name={name}", "--resume=True"]
             for name in ("exact10", "reset10", "rng10", "exact15", "skip15", "fallback")}
     jobs["fresh"] = [*args, "--run_name=fresh", "--resume=True", "--num_iterations=2"]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_script, "base_train.py", *a, base_dir=base) for name, a in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
-    return {"base": base, "straight": straight, "src": src, "n_docs": n_docs, **results}
+    # the refused resume left the run as it was; the user then starts it over on purpose
+    results["fresh_files"] = {f: open(os.path.join(base, "base", "fresh", f), "rb").read()
+                              for f in ("metrics.jsonl", os.path.join("checkpoints", "step_000005", "model.pt"))}
+    results["fresh_over"] = run_script("base_train.py", *args, "--run_name=fresh", "--resume=False",
+                                       "--num_iterations=2", base_dir=base)
+    return {"base": base, "straight": straight, "src": src, "n_docs": n_docs, "fresh_before": fresh_before,
+            **results}
 
 
 def run_dir(runs, name):
@@ -262,17 +270,23 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(runs):
     assert got == losses(runs["src"])
 
 
-def test_only_checkpoint_corrupt_starts_fresh_with_a_warning(runs):
+def test_only_checkpoint_corrupt_refuses_to_resume_then_starts_over_on_request(runs):
     """
-    With the only checkpoint corrupt, --resume=True warns twice (the unreadable checkpoint, then "starting fresh")
-    and trains from the initialisation: the first losses equal the straight run's (same seed, same data), which also
-    shows that two processes with the same seed give identical losses (the other-seed twin is in-process, in
+    With the only checkpoint of the run corrupt, --resume=True stops with one error line and exit 2, leaving the
+    run's metrics and checkpoint byte for byte as they were (the old code warned, started from step 1 and rewrote
+    metrics.jsonl: a user who asked to resume lost the run without an error). --resume=False then trains from the
+    initialisation: its first losses equal the straight run's (same seed, same data), which also shows that two
+    processes with the same seed give identical losses (the other-seed twin is in-process, in
     tests/test_convergence.py).
     """
     r = runs["fresh"]
-    assert r.returncode == 0, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and "--resume=True" in errors[0] and "--resume=False" in errors[0], errors
     assert "skipping unreadable checkpoint" in r.stderr and "step_000005" in r.stderr, r.stderr[-2000:]
-    assert "has no complete checkpoint; starting fresh" in r.stdout
+    assert runs["fresh_files"] == runs["fresh_before"]
+    over = runs["fresh_over"]
+    assert over.returncode == 0, over.stderr[-3000:]
     got, ref = losses(run_dir(runs, "fresh")), losses(runs["src"])
     assert sorted(got) == [1, 2] and got[1] == ref[1] and got[2] == ref[2]
 

@@ -347,3 +347,76 @@ def test_loss_only_check_lets_a_nan_update_through():
         torch.set_num_threads(threads)
     assert norms[0] == norms[0] and norms[1] != norms[1]  # finite, then NaN
     assert not all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------- what a run must not do quietly
+
+def test_a_second_run_of_the_same_name_refuses_while_the_first_runs(base_dir):
+    """
+    While one base_train run of a name trains, a second run of that name (even --resume=True) stops with one error
+    line naming the first one's pid, exit 2, and writes nothing (the first run's metrics stay one run's rows); after
+    the first ended, --resume=True starts and continues it. The old code let both run: both exited 0 and the run
+    directory held one run's config and the other's metrics interleaved.
+    """
+    first = Watched([sys.executable, SCRIPT, *TINY_TRAIN, "--run_name=same", "--num_iterations=400"],
+                    child_env(base_dir))
+    try:
+        assert first.seen("step 00002/", 120), first.text[-3000:]
+        second = run_script("base_train.py", *TINY_TRAIN, "--run_name=same", "--resume=True", "--num_iterations=5",
+                            base_dir=base_dir)
+        assert second.returncode == 2, second.stderr[-3000:]
+        errors = error_lines(second.stderr)
+        assert len(errors) == 1 and f"in use by pid {first.p.pid} on " in errors[0], errors
+        assert "Run directory" not in second.stdout
+        first.p.send_signal(signal.SIGTERM)
+        assert first.finish(60) == 0, first.text[-3000:]
+    finally:
+        first.kill()
+    run_dir = os.path.join(base_dir, "base", "same")
+    stopped_at = max(losses(run_dir))
+    assert sorted(losses(run_dir)) == list(range(1, stopped_at + 1))  # one run's rows, no interleaving
+    third = run_script("base_train.py", *TINY_TRAIN, "--run_name=same", "--resume=True",
+                       f"--num_iterations={stopped_at + 2}", base_dir=base_dir)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert sorted(losses(run_dir)) == list(range(1, stopped_at + 3)), third.stdout[-3000:]
+
+
+def test_a_retrained_tokenizer_is_refused_on_resume_and_load(base_dir):
+    """
+    A tokenizer retrained with the same vocab_size but other merges: base_train --resume=True and sample.py stop
+    with one line saying the checkpoint was trained with another tokenizer, exit 2. The old code checked only the
+    vocab size, so both went on with the new tokenizer (wrong tokens for every trained embedding).
+    """
+    from nanotrain.dataset import iter_documents, resolve_data_files
+    from nanotrain.tokenizer import Tokenizer, get_tokenizer
+    r = run_script("base_train.py", *TINY_TRAIN, "--run_name=tok", "--num_iterations=2", base_dir=base_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    old = get_tokenizer()
+    os.remove(base_dir / "tokenizer")  # the shared tokenizer is a link: replace it for this base dir only
+    texts = (t[:5000] for _, t in iter_documents(resolve_data_files("builtin", "train")))
+    new = Tokenizer.train_from_iterator((t for i, t in enumerate(texts) if i % 3 == 1), old.get_vocab_size())
+    assert new.get_vocab_size() == old.get_vocab_size() and new.fingerprint() != old.fingerprint()
+    new.save(str(base_dir / "tokenizer"))
+    for script, args in [("base_train.py", [*TINY_TRAIN, "--run_name=tok", "--resume=True", "--num_iterations=4"]),
+                         ("sample.py", ["--run_name=tok", "--prompt=The", "--max_tokens=4"])]:
+        p = run_script(script, *args, base_dir=base_dir)
+        errors = error_lines(p.stderr)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (script, p.stderr[-3000:])
+        assert len(errors) == 1 and "trained with another tokenizer" in errors[0], (script, errors)
+
+
+def test_sigterm_during_start_up_stops_after_the_first_step(base_dir):
+    """
+    SIGTERM half a second after base_train starts (while it still imports torch): the run stops as on any later
+    signal, after one step with a checkpoint, exit 0, so --resume=True can continue it. The old code installed its
+    handler in main(), after the imports, so the signal killed the process (exit -15) with nothing saved.
+    """
+    p = subprocess.Popen([sys.executable, SCRIPT, *TINY_TRAIN, "--run_name=early", "--num_iterations=50"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(base_dir),
+                         cwd=REPO)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert "received signal 15" in out and "Stopped at step 1 on request" in out, out[-3000:]
+    assert os.path.isdir(os.path.join(base_dir, "base", "early", "checkpoints", "step_000001"))
