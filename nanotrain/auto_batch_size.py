@@ -197,9 +197,37 @@ def cache_path(key):
     return os.path.join(get_base_dir(), "auto_batch_cache", f"{digest}.json")
 
 
-def read_cached(key, log=print0):
-    """The cached device batch size for `key`, or None. A file that is not valid JSON, whose stored key differs from
-    `key` (foreign or edited) or whose size is not a candidate is ignored with a warning (and left to be replaced)."""
+def check_probes(batch_size, probes, limit_bytes):
+    """
+    Raises ValueError (naming what is wrong) unless `probes` (a cache entry's list of dicts with batch_size,
+    peak_bytes, result, phase) give batch_size as the answer of the phase that decided it ("compiled" if there are
+    compiled probes, else "search"): in that phase batch_size was probed with result "fits", every "fits" probe peaks
+    at most limit_bytes (bytes), batch_size is the largest size that fits and is below every size that does not.
+    Returns None. Raises KeyError or TypeError for malformed probes.
+    """
+    phase = "compiled" if any(p["phase"] == "compiled" for p in probes) else "search"
+    probes = [p for p in probes if p["phase"] == phase]
+    fit = sorted(p["batch_size"] for p in probes if p["result"] == "fits")
+    no_fit = sorted(p["batch_size"] for p in probes if p["result"] != "fits")
+    if batch_size not in fit:
+        raise ValueError(f"device_batch_size={batch_size} has no {phase} probe that fits")
+    for p in probes:
+        if p["result"] == "fits" and not p["peak_bytes"] <= limit_bytes:
+            raise ValueError(f"its {phase} probe at device_batch_size={p['batch_size']} peaks at {p['peak_bytes']} "
+                             f"bytes, over this run's limit of {int(limit_bytes)} bytes")
+    if fit[-1] != batch_size or (no_fit and no_fit[0] <= batch_size):
+        raise ValueError(f"device_batch_size={batch_size} is not the answer of its {phase} probes (fits: {fit}; does "
+                         f"not fit: {no_fit})")
+
+
+def read_cached(key, limit_bytes, log=print0):
+    """
+    The cached device batch size (int) for `key`, or None when there is no entry or it is ignored. limit_bytes: the
+    largest margin * budget over the ranks, in bytes (a probe records the max peak over the ranks). A file that is not
+    valid JSON, whose stored key differs from `key` (foreign or edited), whose size is not a candidate or whose probes
+    do not give that size within limit_bytes (check_probes) is ignored with one warning line naming the file (and left
+    to be replaced). Never raises for the file's contents.
+    """
     path = cache_path(key)
     if not os.path.exists(path):
         return None
@@ -211,6 +239,7 @@ def read_cached(key, log=print0):
             raise ValueError("its key does not match this run's key")
         if batch_size not in key["candidates"]:
             raise ValueError(f"device_batch_size={batch_size!r} is not a candidate")
+        check_probes(batch_size, entry["probes"], limit_bytes)
         return int(batch_size)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log(f"auto_batch_size: warning: ignoring the cache file {path}: {type(exc).__name__}: {exc}")
@@ -374,7 +403,8 @@ def discover_device_batch_size(build_probe, *, max_seq_len, vocab_size, total_ba
     batch_size, hit = None, False
     try:
         _agree(prober.__enter__, device, "building the model for batch-size discovery")
-        cached = _agree(lambda: read_cached(key, log) if use_cache and rank == 0 else None, device,
+        limit_any_rank = margin * max(d["budget_bytes"] for d in devices)
+        cached = _agree(lambda: read_cached(key, limit_any_rank, log) if use_cache and rank == 0 else None, device,
                         "reading the batch-size cache")
         # rank 0's cached size goes to every rank; a fake-path hit also needs the same key on every rank
         digest = float(int(os.path.basename(cache_path(key))[:13], 16))  # 52 bits: exact in float64
@@ -383,7 +413,7 @@ def discover_device_batch_size(build_probe, *, max_seq_len, vocab_size, total_ba
         if cached and probe == "fake" and same_key_everywhere:
             # the fake measurement is a pure function of the key (code fingerprint included): nothing to re-measure
             batch_size, hit = cached, True
-            log(f"auto_batch_size: cache hit device_batch_size={cached}, verified by the code fingerprint")
+            log(f"auto_batch_size: cache hit device_batch_size={cached}, verified by the code fingerprint and its probes")
         elif cached:
             if fits(cached, "cache check", compiled=compiled_checks):
                 batch_size, hit = cached, True

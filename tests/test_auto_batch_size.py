@@ -664,6 +664,117 @@ def test_cache_hit_miss_corrupt_foreign_and_atomic(monkeypatch, tmp_path):
     assert drop_cached(r1["cache_key"]) and not os.path.exists(path) and not drop_cached(r1["cache_key"])
 
 
+def edit_entry(path, edit):
+    """Rewrites the cache file at `path` after edit(entry) changed the loaded dict in place."""
+    with open(path) as f:
+        entry = json.load(f)
+    edit(entry)
+    with open(path, "w") as f:
+        json.dump(entry, f)
+
+
+def claim(batch_size, fits=False):
+    """An edit: device_batch_size=batch_size and, with fits, its search probe's result set to "fits"."""
+    def edit(entry):
+        entry["device_batch_size"] = batch_size
+        for p in entry["probes"]:
+            if fits and p["batch_size"] == batch_size:
+                p["result"] = "fits"
+    return edit
+
+
+def rerun_after_edit(tmp_path, edit):
+    """Discovery on the fake path with a budget that fits 4 but not 8, then again after edit(entry) of the cache file.
+    Returns (first record, second batch size, second record, second run's log lines)."""
+    peaks = tiny_peaks((4, 8))
+    gb = budget_between(peaks[4], peaks[8])
+    b1, r1 = discover_device_batch_size(build_tiny, device_memory_gb=gb, log=lambda *a: None, **TINY_ARGS)
+    assert (b1, r1["cache_hit"]) == (4, False)
+    edit_entry(r1["cache_path"], edit)
+    lines = []
+    b2, r2 = discover_device_batch_size(build_tiny, device_memory_gb=gb, log=lines.append, **TINY_ARGS)
+    return r1, b2, r2, lines
+
+
+def assert_ignored_and_replaced(r1, b2, r2, lines, why):
+    """The edited entry was ignored with one warning naming its file and `why`, measured again and rewritten."""
+    warnings = [ln for ln in lines if "warning: ignoring the cache file" in ln]
+    assert len(warnings) == 1 and r1["cache_path"] in warnings[0] and re.search(why, warnings[0]), lines
+    assert (b2, r2["cache_hit"]) == (4, False) and r2["probes"]
+    assert json.load(open(r1["cache_path"]))["device_batch_size"] == 4
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("claimed", [8, 64])
+def test_fake_path_cache_entry_claiming_a_larger_candidate_is_ignored(claimed, monkeypatch, tmp_path):
+    """A cache entry whose device_batch_size was edited to a larger candidate (8: measured over budget; 64: never
+    probed) is ignored with a warning naming the file, and discovery measures 4 again. Catches the old fake path,
+    which trusted any candidate in a file with the right key ("verified by the code fingerprint") without a probe, so
+    training's first step ran at the claimed size until the out-of-memory step-down caught it."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    r1, b2, r2, lines = rerun_after_edit(tmp_path, claim(claimed))
+    assert_ignored_and_replaced(r1, b2, r2, lines, rf"device_batch_size={claimed} has no search probe that fits")
+
+
+@pytest.mark.unit
+def test_fake_path_cache_entry_whose_probe_peak_exceeds_the_limit_is_ignored(monkeypatch, tmp_path):
+    """An entry claiming 8 whose probe at 8 was edited to say "fits" while its peak_bytes stays above this run's
+    margin * budget is ignored. The budget and the margin are in the key, so a stale entry of another budget cannot
+    reach this check; an edited probe record can. Catches a check that trusts a probe's result without comparing its
+    peak with the limit (and the old code, which checked no probe at all)."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    r1, b2, r2, lines = rerun_after_edit(tmp_path, claim(8, fits=True))
+    assert_ignored_and_replaced(r1, b2, r2, lines, r"search probe at device_batch_size=8 peaks at \d+ bytes, over "
+                                                   rf"this run's limit of {r1['limit_bytes']} bytes")
+
+
+def set_result(batch_size, result):
+    def edit(entry):
+        for p in entry["probes"]:
+            if p["batch_size"] == batch_size:
+                p["result"] = result
+    return edit
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("edit,why", [
+    (set_result(2, "over budget"), r"not the answer of its search probes \(fits: \[4\]; does not fit: \[2, 8\]\)"),
+    (lambda e: e.update(probes=[]), r"device_batch_size=4 has no search probe that fits"),
+    (lambda e: e.pop("probes"), r"KeyError: 'probes'"),
+])
+def test_fake_path_cache_entry_whose_probes_contradict_its_size_is_ignored(edit, why, monkeypatch, tmp_path):
+    """An entry whose probes do not give its size (a smaller size that does not fit, no probes, no probe list) is
+    ignored although its size is the true answer. Catches a check of the size alone (the old code's candidate check),
+    which cannot tell a record the search wrote from one edited by hand."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    r1, b2, r2, lines = rerun_after_edit(tmp_path, edit)
+    assert_ignored_and_replaced(r1, b2, r2, lines, why)
+
+
+@pytest.mark.unit
+def test_check_probes_judges_by_the_deciding_phase():
+    """With compiled probes the compiled phase decides (the eager search's size may differ either way, and a failed
+    cache check precedes a new search): an entry is its deciding phase's answer. Catches a check over all phases,
+    which would reject every genuine compiled CUDA entry whose compiled size differs from the eager one."""
+    def probe(b, result, phase, peak=100):
+        return {"batch_size": b, "peak_bytes": peak, "result": result, "seconds": 0.1, "phase": phase}
+    compiled_up = [probe(8, "OOM", "cache check"), probe(8, "fits", "search"), probe(16, "over budget", "search"),
+                   probe(16, "fits", "compiled"), probe(32, "over budget", "compiled")]
+    compiled_down = [probe(8, "fits", "search"), probe(16, "over budget", "search"), probe(8, "OOM", "compiled"),
+                     probe(4, "fits", "compiled")]
+    ab.check_probes(16, compiled_up, limit_bytes=100)
+    ab.check_probes(4, compiled_down, limit_bytes=100)
+    for batch_size, probes, limit, why in [
+        (8, compiled_up, 100, "device_batch_size=8 has no compiled probe that fits"),
+        (8, compiled_down, 100, "device_batch_size=8 has no compiled probe that fits"),
+        (16, compiled_up, 99, "compiled probe at device_batch_size=16 peaks at 100 bytes, over this run's limit"),
+        (4, [probe(4, "fits", "search"), probe(8, "fits", "search")], 100, r"not the answer of its search probes"),
+        (8, [probe(4, "fits", "search"), probe(8, "fits", "cache check")], 100, "8 has no search probe that fits"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            ab.check_probes(batch_size, probes, limit_bytes=limit)
+
+
 @pytest.mark.unit
 def test_stale_real_cache_entry_is_verified_dropped_and_searched_again(monkeypatch, tmp_path):
     """On real probes a hit is verified by one probe at the cached size; a size that no longer fits is dropped and a
@@ -684,7 +795,8 @@ def test_interrupted_cache_write_keeps_the_old_entry(monkeypatch, tmp_path):
     """Atomic write: if the process dies between writing the temp file and os.replace, the old entry is intact."""
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     key = cache_key(**KEY_ARGS)
-    path = ab.write_cached(key, 4, [])
+    probes = [{"batch_size": 4, "peak_bytes": GiB, "result": "fits", "seconds": 1.0, "phase": "search"}]
+    path = ab.write_cached(key, 4, probes)
 
     def crash(src, dst):
         raise OSError("simulated crash before the rename")
@@ -693,7 +805,7 @@ def test_interrupted_cache_write_keeps_the_old_entry(monkeypatch, tmp_path):
         ab.write_cached(key, 8, [])
     monkeypatch.undo()
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
-    assert ab.read_cached(key) == 4 and json.load(open(path))["device_batch_size"] == 4
+    assert ab.read_cached(key, limit_bytes=2 * GiB) == 4 and json.load(open(path))["device_batch_size"] == 4
 
 
 # ----------------------------------------------------------------------------- compiled verification (pure logic)
