@@ -16,6 +16,7 @@ Data sources (the --data setting of the scripts):
   shuffled, 1,823 parquet shards of ~250M characters; the last shard, shard_01822, is the validation split), the
   first `num_shards` (or $NANOTRAIN_FINEWEB_SHARDS, default 8) for train. Shards already under
   <base_dir>/data/fineweb-edu/ are used without network access; missing ones are downloaded.
+Each split must hold at least one document with a non-whitespace character (resolve_data_files checks).
 
 `python -m nanotrain.dataset` builds the builtin corpus and prints its statistics.
 """
@@ -316,7 +317,8 @@ def resolve_data_files(data, split, num_shards=None):
     $NANOTRAIN_FINEWEB_SHARDS or 8, downloaded if missing; val = shard_01822), or a local directory / glob / file
     (a local directory named like a source must be written as a path, e.g. ./builtin).
     Raises UserError (one line naming --data and what was expected) for a bad source, an empty directory, a single
-    file with no val file, or a fineweb-edu shard that cannot be downloaded (offline).
+    file with no val file, a fineweb-edu shard that cannot be downloaded (offline), a split whose files hold no
+    document with any text (require_text), or an unreadable file met while looking for that text.
     """
     if split not in SPLITS:
         raise UserError(f"split={split!r}: expected 'train' or 'val'")
@@ -324,10 +326,28 @@ def resolve_data_files(data, split, num_shards=None):
         raise UserError(f"--data={data!r}: expected 'builtin', 'fineweb-edu', or a directory / glob of files")
     if data == "builtin":
         d = build_builtin_corpus()
-        return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".parquet") and f.startswith(split))
-    if data == "fineweb-edu":
-        return _fineweb_files(split, num_shards)
-    return _local_files(data, split)
+        files = sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".parquet") and f.startswith(split))
+    elif data == "fineweb-edu":
+        files = _fineweb_files(split, num_shards)
+    else:
+        files = _local_files(data, split)
+    require_text(files, data, split)
+    return files
+
+
+def require_text(files, data, split):
+    """
+    Raises UserError naming --data=`data` and `split` unless some document of `files` (as iter_documents reads them)
+    holds a non-whitespace character: empty or whitespace-only .txt files, .jsonl files of blank lines or empty
+    "text" strings, and zero-row parquet files hold none. Reads documents in order and stops at the first one with
+    text, so it costs one document (one parquet row group) on real data.
+    """
+    for _, text in iter_documents(files):
+        if text.strip():
+            return
+    names = ", ".join(os.path.basename(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+    raise UserError(f"--data={data}: the {split} split ({len(files)} file(s): {names}) holds no document with any text "
+                    f"(every file is empty or whitespace-only); expected at least one non-empty document")
 
 
 def _iter_parquet(path, first, start):

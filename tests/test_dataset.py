@@ -210,6 +210,51 @@ def test_local_errors(tmp_path):
 
 
 @pytest.mark.unit
+def test_split_without_text_is_refused(tmp_path):
+    """
+    Catches a split whose documents are all empty passing resolution (on the old code: resolve_data_files returned
+    the files and base_train trained on BOS-only rows to a val bpb of inf, exit 0). Covers empty and whitespace-only
+    .txt, .jsonl of blank lines and empty "text" strings, zero-row and null-text parquet, each split on its own, and
+    checks the search stops at the first document with text (a corrupt later file is not read).
+    """
+    def split_error(d, split):
+        return re.escape(f"--data={d}: the {split} split") + ".*no document with any text"
+
+    d = tmp_path / "empty_txt"
+    d.mkdir()
+    (d / "train.txt").write_text("")
+    (d / "val.txt").write_text(" \n\t\n")
+    for split in ("train", "val"):
+        with pytest.raises(UserError, match=split_error(d, split)):
+            resolve_data_files(str(d), split)
+
+    d = tmp_path / "empty_val"
+    d.mkdir()
+    (d / "a.txt").write_text("some text")
+    (d / "val.jsonl").write_text('{"text": ""}\n\n{"text": "  "}\n')
+    assert resolve_data_files(str(d), "train") == [str(d / "a.txt")]
+    with pytest.raises(UserError, match=split_error(d, "val")):
+        resolve_data_files(str(d), "val")
+
+    d = tmp_path / "empty_parquet"
+    d.mkdir()
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), str(d / "a.parquet"))
+    write_parquet(str(d / "b.parquet"), [None, "", "   "])
+    (d / "val.txt").write_text("v")
+    with pytest.raises(UserError, match=split_error(d, "train")):
+        resolve_data_files(str(d), "train")
+    assert resolve_data_files(str(d), "val") == [str(d / "val.txt")]
+
+    d = tmp_path / "stops_early"
+    d.mkdir()
+    (d / "a.txt").write_text("")
+    (d / "b.txt").write_text("text")
+    (d / "c.jsonl").write_text("not json\n")
+    (d / "val.txt").write_text("v")
+    assert resolve_data_files(str(d), "train") == [str(d / f) for f in ("a.txt", "b.txt", "c.jsonl")]
+
+
+@pytest.mark.unit
 def test_corrupt_files_name_the_file(tmp_path):
     """Catches pyarrow/json exceptions escaping without the file (and line for jsonl) named."""
     d = tmp_path / "bad"
