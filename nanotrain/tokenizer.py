@@ -21,7 +21,7 @@ import os
 import numpy as np
 import torch
 
-from nanotrain.common import UserError, atomic_write_text, get_base_dir
+from nanotrain.common import UserError, get_base_dir
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document starts with it
@@ -95,7 +95,11 @@ class Tokenizer:
             raise UserError(f"corrupt tokenizer file {file} ({reason}); {TRAIN_HINT} again") from None
 
     def save(self, path):
-        """Writes tokenizer.json and token_bytes.npy into the directory `path` (created), each atomically."""
+        """
+        Writes tokenizer.json and token_bytes.npy into the directory `path` (created). Both go to temp files in `path`
+        first (fsynced) and are then renamed over the old ones with os.replace, token_bytes.npy first: an error while
+        writing leaves the old pair as it was (and no temp file), and a reader never sees a torn file.
+        """
         os.makedirs(path, exist_ok=True)
         ranks = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
         data = {
@@ -105,12 +109,24 @@ class Tokenizer:
             "special_tokens": self.special_tokens,
             "mergeable_ranks": [[base64.b64encode(b).decode("ascii"), r] for b, r in ranks],
         }
-        atomic_write_text(os.path.join(path, TOKENIZER_FILE), json.dumps(data) + "\n")
-        final = os.path.join(path, TOKEN_BYTES_FILE)
-        tmp = f"{final}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            np.save(f, self.token_bytes().numpy().astype(np.int32), allow_pickle=False)
-        os.replace(tmp, final)
+        finals = [os.path.join(path, TOKEN_BYTES_FILE), os.path.join(path, TOKENIZER_FILE)]
+        tmps = [f"{f}.tmp{os.getpid()}" for f in finals]
+        try:
+            with open(tmps[0], "wb") as f:
+                np.save(f, self.token_bytes().numpy().astype(np.int32), allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+            with open(tmps[1], "w", encoding="utf-8") as f:
+                f.write(json.dumps(data) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            for tmp in tmps:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+            raise
+        for tmp, final in zip(tmps, finals):
+            os.replace(tmp, final)
 
     def get_vocab_size(self):
         """Number of token ids: merges (256 bytes included) + 9 special tokens."""

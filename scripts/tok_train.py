@@ -1,7 +1,8 @@
 """
 Trains the BPE tokenizer (rustbpe merges, GPT-4-style split with 1-2 digit numbers) on the train split's documents and
-saves it to <base_dir>/tokenizer/ (tokenizer.json, token_bytes.npy), then reports the compression ratio (characters
-per token) on the first documents of the val split.
+saves it to <base_dir>/tokenizer/ (tokenizer.json, token_bytes.npy), and reports the compression ratio (characters
+per token) on the first documents of the val split. Refuses (one error line, exit 2, the old tokenizer left as it
+was) a split with no text or train text too small to learn any merge; the files are replaced only once all is done.
 
     python scripts/tok_train.py                                         # builtin corpus (offline), 4096 tokens
     python scripts/tok_train.py --data=fineweb-edu --vocab_size=32768   # as in nanochat
@@ -51,8 +52,9 @@ try:
     t0 = time.time()
     tokenizer = Tokenizer.train_from_iterator(capped_texts(train_files, stats), vocab_size)
     train_seconds = time.time() - t0
-    out_dir = get_tokenizer_dir()
-    tokenizer.save(out_dir)
+    if tokenizer.get_vocab_size() == MIN_VOCAB_SIZE < vocab_size:
+        raise UserError(f"--data={data}: the train text ({stats['docs']:,} documents, {stats['chars']:,} chars) is "
+                        f"too small to learn any BPE merge; expected more text (no tokenizer was written)")
 
     val_texts, val_chars = [], 0
     for _, text in iter_documents(val_files):
@@ -61,6 +63,8 @@ try:
         if len(val_texts) >= EVAL_DOCS or val_chars >= EVAL_CHARS:
             break
     val_tokens = sum(len(ids) for ids in tokenizer.encode(val_texts))
+    out_dir = get_tokenizer_dir()
+    tokenizer.save(out_dir)
 except UserError as e:
     die(str(e))
 

@@ -134,6 +134,30 @@ def test_save_load_roundtrip(tok, base_dir):
     assert data["format"] == "nanotrain-bpe-1" and data["special_tokens"]["<|bos|>"] == VOCAB_SIZE - 9
 
 
+def tokenizer_bytes():
+    """{file name: bytes} of every file in the tokenizer directory."""
+    d = get_tokenizer_dir()
+    return {name: open(os.path.join(d, name), "rb").read() for name in sorted(os.listdir(d))}
+
+
+@pytest.mark.unit
+def test_failed_save_keeps_the_old_tokenizer(tok, monkeypatch):
+    """
+    Catches a save that replaces one file before the other is written (on the old code: a failing token_bytes.npy
+    write left the new tokenizer.json next to the old token_bytes.npy, and a temp file behind).
+    """
+    tok.save(get_tokenizer_dir())
+    before = tokenizer_bytes()
+    other = Tokenizer.train_from_iterator(iter(TRAIN_TEXT), VOCAB_SIZE - 20)
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(np, "save", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        other.save(get_tokenizer_dir())
+    assert tokenizer_bytes() == before
+
+
 @pytest.mark.unit
 def test_missing_tokenizer_is_a_user_error():
     """Catches a raw FileNotFoundError traceback instead of a one-line hint to run tok_train.py."""
@@ -208,3 +232,27 @@ def test_tok_train_script(base_dir):
     bad = subprocess.run(cmd[:2] + ["--vocab_size=100"], capture_output=True, text=True, env=env, timeout=60)
     err = [ln for ln in bad.stderr.splitlines() if not ln.startswith("Overriding: ")]
     assert bad.returncode == 2 and len(err) == 1 and err[0].startswith("error: --vocab_size=100")
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("train_text", ["", "a"], ids=["empty", "no_merge"])
+def test_tok_train_refuses_useless_text_and_keeps_the_tokenizer(tok, base_dir, train_text):
+    """
+    Catches tok_train.py overwriting a good tokenizer from data it cannot learn from (on the old code: exit 0 and a
+    265-token tokenizer, no merges, in place of the old one): an empty train split, and train text with no pair of
+    bytes to merge. Expects one `error: --data=...` line, exit 2, and both tokenizer files unchanged byte for byte.
+    """
+    tok.save(get_tokenizer_dir())
+    before = tokenizer_bytes()
+    data = base_dir / "data_dir"
+    data.mkdir()
+    (data / "train.txt").write_text(train_text)
+    (data / "val.txt").write_text("some val text")
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "tok_train.py"), f"--data={data}", "--vocab_size=300"]
+    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("Overriding: ")]
+    assert r.returncode == 2, r.stderr
+    assert len(err) == 1 and err[0].startswith(f"error: --data={data}: "), r.stderr
+    assert "Traceback" not in r.stderr
+    assert tokenizer_bytes() == before
