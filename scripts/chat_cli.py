@@ -20,11 +20,12 @@ for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` ->
     if _arg == "-p":
         sys.argv[_i:_i + 2] = [f"--prompt={sys.argv[_i + 1]}"]
         break
+_prompt_given = any(a.startswith("--prompt=") for a in sys.argv[1:])  # tells `-p ""` from no prompt at all
 
 source = "sft"  # which stage's checkpoint: sft | mid | base
 run_name = ""  # run name; "" picks the run with the newest checkpoint
 step = -1  # checkpoint step; -1 is the newest
-prompt = ""  # one-shot mode: answer this message and exit (also -p "text")
+prompt = ""  # one-shot mode: answer this message and exit (also -p "text"); not given: interactive
 temperature = 0.6  # 0 is greedy
 top_k = 50  # sample among the k most likely tokens; 0 means all
 max_tokens = 256  # most tokens per reply
@@ -33,8 +34,23 @@ device_type = ""  # cuda | mps | cpu; "" autodetects
 config = configure(globals())
 
 
-def main():
+def check_settings():
+    """
+    Raises UserError (one line naming the flag) for a prompt given but empty or whitespace-only (-p "" or
+    --prompt=""), max_tokens < 1, temperature < 0 or top_k < 0 (0 means all tokens).
+    """
+    if _prompt_given and not prompt.strip():
+        raise UserError(f"--prompt={prompt!r} (-p): expected a non-empty message; leave out -p to chat interactively")
+    if max_tokens < 1:
+        raise UserError(f"--max_tokens={max_tokens}: expected an int >= 1 (most tokens per reply)")
+    if temperature < 0:
+        raise UserError(f"--temperature={temperature}: expected a float >= 0 (0 is greedy)")
+    if top_k < 0:
+        raise UserError(f"--top_k={top_k}: expected an int >= 1, or 0 to sample among all tokens")
 
+
+def main():
+    check_settings()
     device = torch.device(device_type or autodetect_device_type())
     model, tokenizer, path, _ = load_model(source, run_name, step, device)
     print(f"checkpoint: {path}", file=sys.stderr)

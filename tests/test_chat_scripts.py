@@ -1,5 +1,6 @@
 """
-scripts/chat_eval.py and scripts/chat_cli.py through the command line, on a tiny base model trained for 3 steps.
+scripts/chat_eval.py, scripts/chat_cli.py and scripts/sample.py through the command line, on a tiny base model trained
+for 3 steps.
 """
 
 import json
@@ -68,3 +69,45 @@ def test_missing_checkpoint_is_a_clean_error(trained):
                                                 "(python scripts/chat_sft.py)"
     r = run_script("chat_eval.py", "--source=base", "--tasks=arith,chess", base_dir=trained)
     assert r.returncode == 2 and "unknown built-in task 'chess'" in r.stderr
+
+
+def assert_one_error_line(r, flag):
+    """r exited 2 with exactly one stderr line besides the settings echo: `error: <flag>=...`, and no traceback."""
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("Overriding: ")]
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    assert len(err) == 1 and err[0].startswith(f"error: {flag}="), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args", [["-p", ""], ["--prompt="], ["-p", "  \n "]], ids=["p", "prompt", "whitespace"])
+def test_chat_cli_empty_prompt_is_an_error(trained, args):
+    """
+    Catches an explicitly empty prompt read as "no prompt" (on the old code: -p "" and --prompt= started the
+    interactive mode, which read EOF from stdin and exited 0; a whitespace-only prompt was answered, exit 0).
+    Expects one `error: --prompt=...` line and exit 2.
+    """
+    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(trained), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "chat_cli.py"), "--source=base", *args],
+                       input="", capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert_one_error_line(r, "--prompt")
+
+
+@pytest.mark.parametrize("script, arg, flag", [
+    ("sample.py", "--max_tokens=-5", "--max_tokens"),  # old: printed the prompt, exit 0
+    ("sample.py", "--max_tokens=0", "--max_tokens"),  # old: printed the prompt, exit 0
+    ("sample.py", "--top_k=-3", "--top_k"),  # old: a torch.topk traceback
+    ("sample.py", "--temperature=-1", "--temperature"),  # old: an error line naming no flag
+    ("chat_cli.py", "--max_tokens=0", "--max_tokens"),  # old: an empty answer, exit 0
+    ("chat_cli.py", "--top_k=-1", "--top_k"),  # old: a torch.topk traceback
+    ("chat_cli.py", "--temperature=-0.5", "--temperature"),  # old: an error line naming no flag
+])
+def test_sampling_settings_out_of_range_are_errors(trained, script, arg, flag):
+    """
+    Catches sampling settings out of range going through (on the old code: sample.py --max_tokens=-5 printed the
+    prompt and exited 0; a negative top_k died in torch.topk with a traceback; a negative temperature failed inside
+    generate without naming the flag). max_tokens must be >= 1, top_k >= 1 or 0 (all), temperature >= 0.
+    Expects one `error: <flag>=...` line and exit 2.
+    """
+    extra = ["--source=base", "-p", "hi"] if script == "chat_cli.py" else []
+    r = run_script(script, *extra, arg, base_dir=trained, timeout=120)
+    assert_one_error_line(r, flag)
