@@ -249,8 +249,9 @@ def cli(shared_base_dir, tmp_path_factory):
     jobs = {name: (args, b) for name, (args, b, _) in cases.items()}
     jobs["nonfinite"] = (NONFINITE_ARGS, root / "base")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_script, "base_train.py", *TINY_TRAIN, "--num_iterations=2", *args,
-                                     base_dir=b) for name, (args, b) in jobs.items() if name != "nonfinite"}
+        futures = {name: pool.submit(run_script, "base_train.py", *TINY_TRAIN, "--num_iterations=2",
+                                     f"--run_name={name}", *args, base_dir=b)  # one run directory each (a lock each)
+                   for name, (args, b) in jobs.items() if name != "nonfinite"}
         futures["nonfinite"] = pool.submit(run_script, "base_train.py", *NONFINITE_ARGS, base_dir=root / "base")
         results = {name: f.result() for name, f in futures.items()}
     return {"root": root, "cases": cases, "results": results}
