@@ -12,7 +12,7 @@ from nanotrain.common import is_distributed
 
 
 @torch.no_grad()
-def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None):
+def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None, stop=None):
     """
     Validation bits per byte over `steps` batches from the iterator `batches` of (inputs, targets) int64 (B, T).
 
@@ -20,6 +20,8 @@ def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None):
     targets that are special tokens (byte length 0) or -1 are left out of both sums. The sums are all-reduced over
     ranks, so every rank returns the same float. Sums (not means) make the result independent of the batch size.
     token_bytes: int64 (vocab_size,) on the model's device. Restores model.train() mode if it was on.
+    stop: optional callable, asked before each batch (every rank asks it equally often, so it may be collective):
+    when it returns True the evaluation is abandoned and None is returned (a stop request during a long evaluation).
     """
     was_training = model.training
     model.eval()
@@ -27,6 +29,9 @@ def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None):
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_bytes = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(steps):
+        if stop is not None and stop():
+            model.train(was_training)
+            return None
         x, y = next(batches)
         if autocast_ctx is not None:
             with autocast_ctx:

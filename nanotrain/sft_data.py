@@ -267,17 +267,22 @@ def backward_step(model, batches, autocast_ctx=None):
 
 
 @torch.no_grad()
-def evaluate_loss(model, batches, autocast_ctx=None):
+def evaluate_loss(model, batches, autocast_ctx=None, stop=None):
     """
     Token-weighted mean loss (nats per trained target, float) over an iterable of micro_batch() dicts: sum of
     per-token losses / number of trained targets, both summed over all ranks (all-reduce), so it does not depend
     on how the data is split into micro-batches or ranks. NaN if there is no target at all. Every rank must pass
     the same number of batches (lpt_pack guarantees it). Restores model.train() mode if it was on.
+    stop: optional callable, asked before each batch (equally often on every rank, so it may be collective): when
+    it returns True the evaluation is abandoned and None is returned (a stop request during a long evaluation).
     """
     was_training = model.training
     model.eval()
     total, count, device = None, 0, None
     for b in batches:
+        if stop is not None and stop():
+            model.train(was_training)
+            return None
         device = b["x"].device
         if autocast_ctx is not None:
             with autocast_ctx:

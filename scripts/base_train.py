@@ -247,7 +247,11 @@ def main():
         # validation bpb (also at the resume step: see MetricsLog)
         if last_step or (eval_every > 0 and step % eval_every == 0):
             t0 = time.time()
-            val_bpb = evaluate_bpb(model, val_batches(), eval_steps, token_bytes, autocast_ctx)
+            val_bpb = evaluate_bpb(model, val_batches(), eval_steps, token_bytes, autocast_ctx,
+                                   stop=lambda: any_rank(nanotrain.stop.requested, device))
+            if val_bpb is None:  # a stop request during the evaluation: save this step and stop
+                stop = True  # (a resumed run evaluates at its first step)
+                continue
             print0(f"step {step:05d}/{total_steps:05d} | val bpb {val_bpb:.4f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_bpb=val_bpb)
         # greedy samples of a few fixed prompts

@@ -309,7 +309,11 @@ def main():
         # validation loss on held-out conversations (also at the resume step: see MetricsLog)
         if val and (last_step or (eval_every > 0 and step % eval_every == 0)):
             t0 = time.time()
-            val_loss = evaluate_loss(orig_model, batches_of(val), autocast_ctx)
+            val_loss = evaluate_loss(orig_model, batches_of(val), autocast_ctx,
+                                     stop=lambda: any_rank(nanotrain.stop.requested, device))
+            if val_loss is None:  # a stop request during the evaluation: save this step and stop
+                stop = True  # (a resumed run evaluates at its first step)
+                continue
             print0(f"step {step:05d}/{total_steps:05d} | val loss {val_loss:.6f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_loss=val_loss)
         # greedy answers to a few validation questions

@@ -162,3 +162,30 @@ def test_bpb_does_not_depend_on_eval_batch_size():
     assert abs(bpb[1] - bpb[4]) < 1e-6 and abs(bpb[2] - bpb[4]) < 1e-6, bpb
     per_row = [evaluate_bpb(model, iter([(x[i:i + 1], y[i:i + 1])]), 1, token_bytes) for i in range(4)]
     assert abs(sum(per_row) / 4 - bpb[4]) > 1e-6
+
+
+def test_an_evaluation_is_abandoned_when_stop_says_so():
+    """
+    evaluate_bpb asks `stop` before each batch: it returns None as soon as stop() is True (having read no further
+    batch) and restores train mode; a stop that never fires gives the full result. Catches a stop that is asked
+    only at the end (the whole evaluation still runs) or a result returned for a partial evaluation.
+    """
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(max_seq_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, model_dim=16))
+    model.init_weights()
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    read, asked = [], []
+
+    def batches():
+        while True:
+            read.append(1)
+            yield x, y
+
+    def stop():
+        asked.append(1)
+        return len(asked) == 3
+    model.train()
+    assert evaluate_bpb(model, batches(), 10, torch.ones(32, dtype=torch.long), stop=stop) is None
+    assert len(read) == 2 and model.training
+    full = evaluate_bpb(model, batches(), 10, torch.ones(32, dtype=torch.long), stop=lambda: False)
+    assert full == evaluate_bpb(model, batches(), 10, torch.ones(32, dtype=torch.long))

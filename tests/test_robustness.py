@@ -406,18 +406,122 @@ def test_a_retrained_tokenizer_is_refused_on_resume_and_load(base_dir):
         assert len(errors) == 1 and "trained with another tokenizer" in errors[0], (script, errors)
 
 
-def test_sigterm_during_start_up_stops_after_the_first_step(base_dir):
+# ----------------------------------------------------------------------------- interrupted at any moment
+
+BASE_STOP_ARGS = [*TINY_TRAIN, "--num_iterations=12", "--ns_dtype=float32"]
+SFT_STOP_ARGS = ["--examples_per_step=8", "--max_tokens_per_device=256", "--keep_last=0", "--source=base",
+                 "--source_run_name=straight", "--tasks=arith:0.5,identity:0.5", "--num_iterations=12",
+                 "--ns_dtype=float32", "--eval_every=-1", "--save_every=-1", "--eval_examples=32"]
+# moment: (settings that make the moment happen, the line after which the signal goes, delay in s after start)
+MOMENTS = {
+    "start-up": ([], None, 0.5),  # while the script still imports torch
+    "mid-step": ([], "step 00003/", 0.0),  # during step 4's forward and backward
+    "evaluation": (["--eval_every=5"], "step 00005/", 0.0),  # the evaluation at step 5 follows that line
+    "checkpoint write": (["--save_every=5"], "step 00005/", 0.0),  # so does the checkpoint of step 5
+}
+EVAL_LONG = {"base_train.py": ["--eval_tokens=131072"], "chat_sft.py": ["--eval_examples=400"]}
+
+
+def signal_at(script, args, run_name, base, after_line, delay, sig=signal.SIGTERM):
+    """Starts `script` and sends `sig` `delay` s after start or once a line starting with `after_line` is printed.
+    Returns (exit code, output)."""
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", script), *args, f"--run_name={run_name}"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(base), cwd=REPO)
+    out = []
+    if after_line is None:
+        time.sleep(delay)
+        p.send_signal(sig)
+    for line in p.stdout:
+        out.append(line)
+        if after_line is not None and line.startswith(after_line):
+            p.send_signal(sig)
+            after_line = None
+    return p.wait(timeout=120), "".join(out)
+
+
+def stop_and_resume(script, args, stage, base, moment):
+    """The run stopped by SIGTERM at `moment`, then resumed; returns (stop exit code, stop output, resume result,
+    its losses by step)."""
+    extra, line, delay = MOMENTS[moment]
+    if moment == "evaluation":
+        extra = [*extra, *EVAL_LONG[script]]
+    name = moment.replace(" ", "_").replace("-", "_")
+    code, out = signal_at(script, [*args, *extra], name, base, line, delay)
+    resumed = run_script(script, *args, *extra, f"--run_name={name}", "--resume=True", base_dir=base)
+    return code, out, resumed, losses(os.path.join(base, stage, name))
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(shared_base_dir, tmp_path_factory):
     """
-    SIGTERM half a second after base_train starts (while it still imports torch): the run stops as on any later
-    signal, after one step with a checkpoint, exit 0, so --resume=True can continue it. The old code installed its
-    handler in main(), after the imports, so the signal killed the process (exit -15) with nothing saved.
+    get(script): the straight run of base_train.py or chat_sft.py ("sft" needs the straight base run), then that
+    script interrupted at every moment and resumed, two processes at a time; computed once per script.
+    Returns {"straight": losses by step, moment: (stop exit code, stop output, resume result, losses by step)}.
     """
-    p = subprocess.Popen([sys.executable, SCRIPT, *TINY_TRAIN, "--run_name=early", "--num_iterations=50"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(base_dir),
-                         cwd=REPO)
-    time.sleep(0.5)
-    p.send_signal(signal.SIGTERM)
-    out = p.communicate(timeout=120)[0]
-    assert p.returncode == 0, out[-3000:]
-    assert "received signal 15" in out and "Stopped at step 1 on request" in out, out[-3000:]
-    assert os.path.isdir(os.path.join(base_dir, "base", "early", "checkpoints", "step_000001"))
+    base = tmp_path_factory.mktemp("stopped")
+    os.symlink(shared_base_dir / "data", base / "data")
+    os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
+    done = {}
+
+    def straight_base():
+        if "base" not in done:
+            r = run_script("base_train.py", *BASE_STOP_ARGS, "--save_every=12", "--run_name=straight", base_dir=base)
+            assert r.returncode == 0, r.stderr[-3000:]
+            done["base"] = losses(os.path.join(base, "base", "straight"))
+        return done["base"]
+
+    def get(script):
+        if script not in done:
+            straight_base()
+            stage, args = ("base", BASE_STOP_ARGS) if script == "base_train.py" else ("sft", SFT_STOP_ARGS)
+            if stage == "sft":
+                r = run_script("chat_sft.py", *SFT_STOP_ARGS, "--run_name=straight", base_dir=base)
+                assert r.returncode == 0, r.stderr[-3000:]
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                futures = {m: pool.submit(stop_and_resume, script, args, stage, base, m) for m in MOMENTS}
+                done[script] = {m: f.result() for m, f in futures.items()}
+            done[script]["straight"] = losses(os.path.join(base, stage, "straight"))
+        return done[script]
+    return get
+
+
+@pytest.mark.parametrize("script", ["base_train.py", pytest.param("chat_sft.py", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_sigterm_at_any_moment_then_resume_equals_the_straight_run(stopped_runs, script, moment):
+    """
+    SIGTERM at start-up (half a second in, while torch is imported), in the middle of a step, during an evaluation and during a checkpoint write: the run stops
+    with exit 0 and a checkpoint, and --resume=True completes it with every step's loss equal (==, fp32 on the CPU)
+    to the uninterrupted run's. Catches a stop that loses or repeats a step, a checkpoint written mid-evaluation
+    with the wrong loader position, an evaluation that ignores the request (the old code finished it, however
+    long, and trained one more step) and, at start-up, the old handler installed after the imports: exit -15.
+    """
+    runs = stopped_runs(script)
+    code, out, resumed, got = runs[moment]
+    assert code == 0 and "received signal 15" in out and "Stopped at step" in out, out[-3000:]
+    if moment == "evaluation":  # abandoned at once, not after the whole evaluation and one more step
+        assert "Stopped at step 5 on request" in out and "step 00005/00012 | val" not in out, out[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want = runs["straight"]
+    assert sorted(got) == list(range(1, 13)) and all(got[s] == want[s] for s in want), (got, want)
+
+
+def test_sigkill_during_checkpoint_writes_leaves_a_usable_checkpoint(base_dir):
+    """
+    SIGKILL (no handler can run) right after step 6's log line of a run that saves every step, so the kill lands in
+    or next to a checkpoint write: what is on disk still resumes (the newest complete checkpoint; an unfinished
+    step_*.tmp is ignored, then removed by the next save) and the resumed run's losses equal an uninterrupted run's.
+    Catches a checkpoint that is visible before it is complete and a .tmp that later saves trip over.
+    """
+    args = [*TINY_TRAIN, "--num_iterations=10", "--ns_dtype=float32", "--save_every=1", "--keep_last=2"]
+    straight = run_script("base_train.py", *args, "--run_name=straight", base_dir=base_dir)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    code, out = signal_at("base_train.py", args, "killed", base_dir, "step 00006/", 0.0, signal.SIGKILL)
+    assert code == -signal.SIGKILL, out[-2000:]
+    from nanotrain.checkpoint import list_checkpoints, load_latest
+    run = os.path.join(base_dir, "base", "killed")
+    assert list_checkpoints(run) and load_latest(run, "cpu") is not None
+    resumed = run_script("base_train.py", *args, "--run_name=killed", "--resume=True", base_dir=base_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = losses(os.path.join(base_dir, "base", "straight")), losses(run)
+    assert sorted(got) == list(range(1, 11)) and all(got[s] == want[s] for s in want), (got, want)
+    assert not [n for n in os.listdir(os.path.join(run, "checkpoints")) if n.endswith(".tmp")]
