@@ -9,12 +9,20 @@ and `--name=value` on the command line overrides them. The value is parsed as a 
 default's type (an int is accepted for a float; a None default takes any literal; a str default takes the raw text).
 `--help` prints every setting with its default and comment. In the spirit of nanoGPT's "poor man's configurator",
 but with errors that name the flag and what was expected instead of asserts.
+
+The ranges of the settings live here too, in one place (RULES, rule_for): a setting name means the same thing in every
+script (`*_lr` is a learning rate, `run_name` / `*_run_name` a run name, `device_batch_size` a count of rows, ...), so
+the rule is keyed by the name, and configure() checks every final value, defaults included, before the script sees
+it. A script declares an extra or different rule for one of its settings with configure(..., rules={name: Rule})
+(None: no rule). A None default's None always passes (its meaning is the script's, in the setting's comment).
 """
 
 import ast
 import difflib
 import io
+import math
 import os
+import re
 import sys
 import tokenize
 
@@ -120,6 +128,170 @@ def apply_overrides(settings, args, none_types=None):
     return out
 
 
+# ----------------------------------------------------------------------------- ranges of the settings
+
+
+class Rule:
+    """The range of a setting: ok(value) -> bool, and `allowed`, the text of the error message after "expected"."""
+
+    def __init__(self, allowed, ok):
+        self.allowed = allowed
+        self.ok = ok
+
+    def __repr__(self):
+        return f"Rule({self.allowed!r})"
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v):
+    """An int or float (not a bool) that is finite."""
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def ints(lo, also=None, note=""):
+    """An int >= lo, or the sentinel `also` (an int); `note` says what the sentinel or the range means."""
+    text = f"an int >= {lo}" + (f", or {also}" if also is not None else "") + (f" ({note})" if note else "")
+    return Rule(text, lambda v: _is_int(v) and (v >= lo or v == also))
+
+
+def reals(lo, hi=None, lo_open=False, note=""):
+    """A finite int or float >= lo (> lo with lo_open) and <= hi."""
+    if hi is None:
+        text = f"a finite number {'>' if lo_open else '>='} {lo}"
+    else:
+        text = f"a finite number in {'(' if lo_open else '['}{lo}, {hi}]"
+    text += f" ({note})" if note else ""
+    return Rule(text, lambda v: _is_real(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi))
+
+
+RUN_NAME_CHARS = re.compile(r"[A-Za-z0-9_.-]+")
+RUN_NAME_MAX = 100
+
+
+def run_name_rule(required=False):
+    """
+    A run name: a plain directory name under <base_dir>/<stage>/ (letters, digits, '-', '_', '.'; not '.' or '..'; at
+    most RUN_NAME_MAX characters), so that a run never writes outside its stage directory. With required=False the
+    empty name is allowed too: every script gives "" a meaning (the newest run, or a name derived from another one).
+    """
+    text = f"a plain run name (letters, digits, '-', '_', '.'; not '.' or '..'; at most {RUN_NAME_MAX} characters)"
+    if not required:
+        text += ", or '' (see --help)"
+
+    def ok(v):
+        if not isinstance(v, str):
+            return False
+        if v == "":
+            return not required
+        return len(v) <= RUN_NAME_MAX and v not in (".", "..") and RUN_NAME_CHARS.fullmatch(v) is not None
+    return Rule(text, ok)
+
+
+COUNT = ints(1)
+LEARNING_RATE = reals(0, note="a learning rate")
+FRACTION = reals(0, 1)
+EVERY = ints(1, also=-1, note="-1 turns it off")
+
+# a setting name means one thing in every script: its range, by exact name, then by suffix (SUFFIX_RULES)
+RULES = {
+    "run_name": run_name_rule(),
+    "seed": Rule("an int in [0, 2**63)", lambda v: _is_int(v) and 0 <= v < 2**63),  # torch.manual_seed's range
+    # model and batch sizes
+    "depth": COUNT,
+    "max_seq_len": COUNT,
+    "vocab_size": COUNT,
+    "device_batch_size": COUNT,
+    "total_batch_size": COUNT,
+    "max_batch_size": COUNT,
+    "manual_batch_size": COUNT,
+    "batch_size": COUNT,
+    "examples_per_step": COUNT,
+    "max_tokens_per_device": COUNT,
+    "max_conversations_per_device": COUNT,
+    "world_size": COUNT,
+    "batch_size_margin": reals(0, 1, lo_open=True, note="a fraction of the device memory"),
+    "margin": reals(0, 1, lo_open=True, note="a fraction of the device memory"),
+    "device_memory_gb": reals(0, lo_open=True, note="GiB"),
+    # training horizon and optimizer
+    "num_iterations": COUNT,
+    "target_param_data_ratio": reals(0, lo_open=True, note="tokens per parameter"),
+    "weight_decay": reals(0),
+    "grad_clip": reals(0, note="0 turns clipping off"),
+    "warmup_ratio": reals(0, 1, note="a fraction of the steps"),
+    "warmdown_ratio": reals(0, 1, note="a fraction of the steps"),
+    # evaluation, checkpoints
+    "eval_tokens": COUNT,
+    "eval_examples": COUNT,
+    "keep_last": ints(0, note="0 keeps all"),
+    "step": ints(0, also=-1, note="-1 is the newest"),
+    "max_problems": ints(1, also=-1, note="-1 means all"),
+    # sampling
+    "max_tokens": COUNT,
+    "temperature": reals(0, note="0 is greedy"),
+    "top_k": ints(1, also=0, note="0 samples among all tokens"),
+    # tokenizer training, benchmarks
+    "max_chars": COUNT,
+    "doc_cap": COUNT,
+    "tokenizer_chars": COUNT,
+    "steps": COUNT,
+    "warmup_steps": ints(0),
+    "pairs": COUNT,
+    "pair_steps": COUNT,
+    "threads": ints(0, note="0 keeps torch's default"),
+    "prefetch": ints(0, also=-1, note="-1 is the loader's default"),
+    "loader_seconds": reals(0, lo_open=True),
+}
+SUFFIX_RULES = (
+    ("_run_name", run_name_rule()),  # base_run_name, source_run_name, ...
+    ("_lr", LEARNING_RATE),  # matrix_lr, embedding_lr, unembedding_lr, ...
+    ("_frac", FRACTION),  # init_lr_frac, final_lr_frac: multipliers of the learning rates, in [0, 1]
+    ("_every", EVERY),  # eval_every, sample_every, save_every
+)
+
+
+def rule_for(name, rules=None):
+    """The Rule of setting `name`: the script's own (`rules`, where None means none), else RULES, else SUFFIX_RULES,
+    else None (no range: strings with their own checks, bools)."""
+    if rules and name in rules:
+        return rules[name]
+    if name in RULES:
+        return RULES[name]
+    return next((rule for suffix, rule in SUFFIX_RULES if name.endswith(suffix)), None)
+
+
+def _shown_value(value):
+    return _shown(value) if isinstance(value, str) else _shown(repr(value) if not _is_real(value) else str(value))
+
+
+def validate(values, defaults=None, rules=None):
+    """
+    Checks every setting of `values` (name -> value) against its Rule (rule_for). `defaults` (name -> default): a
+    value of None passes where the default is None, and a value equal to its default is called the default in the
+    message. `rules`: the script's own rules, {name: Rule or None}, for settings of `values`. Raises ConfigError, one
+    line: `--name=value: expected <what is allowed>`.
+    """
+    defaults = values if defaults is None else defaults
+    unknown = sorted(set(rules or ()) - set(values))
+    if unknown:
+        raise ValueError(f"rules for settings the script does not have: {', '.join(unknown)}")
+    for name, value in values.items():
+        rule = rule_for(name, rules)
+        if rule is None:
+            continue
+        none_ok = name not in defaults or defaults[name] is None
+        if (value is None and none_ok) or rule.ok(value):
+            continue
+        default = defaults.get(name)
+        is_default = defaults is not values and name in defaults and (
+            value is default or (type(value) is type(default) and value == default))
+        where = " (the script's default)" if is_default else ""
+        allowed = rule.allowed + (", or None (see --help)" if none_ok else "")
+        raise ConfigError(f"--{name}={_shown_value(value)}{where}: expected {allowed}")
+
+
 def format_help(doc, settings, comments):
     """The --help text: the script's docstring, then one line per setting with its default and comment."""
     lines = []
@@ -132,13 +304,15 @@ def format_help(doc, settings, comments):
     return "\n".join(lines)
 
 
-def configure(g, argv=None, none_types=None):
+def configure(g, argv=None, none_types=None, rules=None):
     """
     Reads the settings of the script whose module globals are `g` (the plain literal globals assigned above the
     call), applies `--name=value` overrides from `argv` (default sys.argv[1:]) back into `g`, handles `--help`
-    (prints every setting and exits 0), and returns the final settings as a dict. none_types: {name: tuple of
-    types} allowed for settings whose default is None (None itself is always allowed). A bad argument prints
-    `error: <one line>` and exits with code 2.
+    (prints every setting and exits 0), checks every final value (defaults included) against its range (validate),
+    and returns the final settings as a dict. none_types: {name: tuple of types} allowed for settings whose default
+    is None (None itself is always allowed). rules: {name: Rule, or None for no rule} where a setting of this script
+    needs a range other than its name's (rule_for). A bad argument or value prints `error: <one line>` and exits
+    with code 2.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     argv = [a for a in argv if a != "--"]  # `torchrun script.py -- --name=value` passes the separator through
@@ -155,6 +329,7 @@ def configure(g, argv=None, none_types=None):
         sys.exit(0)
     try:
         final = apply_overrides(settings, argv, none_types)
+        validate(final, settings, rules)
     except ConfigError as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

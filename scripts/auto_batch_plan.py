@@ -39,10 +39,6 @@ def main():
         plan_depths = [depth] if depth is not None else [int(d) for d in depths.split(",") if d.strip()]
     except ValueError:
         raise UserError(f"--depths={depths!r}: expected comma-separated integers, e.g. 12,20,26,32") from None
-    if not 0 < margin <= 1:
-        raise UserError(f"--margin={margin}: expected a fraction in (0, 1]")
-    if device_memory_gb <= 0:
-        raise UserError(f"--device_memory_gb={device_memory_gb}: expected a positive number of GiB")
     fake_device = "cuda" if torch.cuda.is_available() else "cpu"
     budget = device_memory_gb * GiB
     limit = margin * budget

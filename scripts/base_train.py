@@ -26,7 +26,6 @@ from nanotrain.checkpoint import (
     save_checkpoint,
 )
 from nanotrain.common import (
-    UserError,
     all_reduce_scalar,
     any_rank,
     compute_init,
@@ -123,8 +122,6 @@ def main():
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     token_bytes = get_token_bytes(device)
     vocab_size = tokenizer.get_vocab_size()
-    if depth < 1 or max_seq_len < 1:
-        raise UserError(f"--depth={depth} and --max_seq_len={max_seq_len} must be positive")
     model_config = config_from_depth(depth, vocab_size, max_seq_len)
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
@@ -187,13 +184,9 @@ def main():
 
     # horizon
     if num_iterations is not None:
-        if num_iterations < 1:
-            raise UserError(f"--num_iterations={num_iterations}: expected an integer >= 1, or None (derived)")
         total_steps = num_iterations
-    elif target_param_data_ratio > 0:
-        total_steps = max(1, int(target_param_data_ratio * num_params) // total_batch_size)
     else:
-        raise UserError("set --num_iterations or a --target_param_data_ratio > 0")
+        total_steps = max(1, int(target_param_data_ratio * num_params) // total_batch_size)
 
     # data: each rank reads its own share of the documents; the loader's position is part of every checkpoint
     train_loader = TokenLoader(tokenizer, train_files, device_batch_size, max_seq_len, device, rank, world_size)

@@ -46,7 +46,7 @@ from nanotrain.common import (
     seed_everything,
     synchronize,
 )
-from nanotrain.configurator import ConfigError, apply_overrides, configure
+from nanotrain.configurator import ConfigError, apply_overrides, configure, validate
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import iter_documents, resolve_data_files
 from nanotrain.gpt import build_model, config_from_depth
@@ -116,12 +116,7 @@ def peak_rss_bytes():
 
 
 def check_config(cfg):
-    """Raises UserError for settings the benchmark cannot run."""
-    for key in ("depth", "max_seq_len", "device_batch_size", "total_batch_size", "steps", "pairs", "pair_steps"):
-        if cfg[key] < 1:
-            raise UserError(f"--{key}={cfg[key]}: expected an integer >= 1")
-    if cfg["warmup_steps"] < 0 or cfg["prefetch"] < -1 or cfg["threads"] < 0:
-        raise UserError("--warmup_steps and --threads must be >= 0, --prefetch >= -1")
+    """Raises UserError for settings the benchmark cannot run (each setting's range: configure(), validate)."""
     per = cfg["device_batch_size"] * cfg["max_seq_len"]
     if cfg["total_batch_size"] % per != 0:
         raise UserError(f"--total_batch_size={cfg['total_batch_size']} is not a multiple of device_batch_size * "
@@ -307,6 +302,7 @@ def main():
         args = shlex.split(vs)
         try:
             cfg_b = apply_overrides(cfg_a, args)
+            validate(cfg_b, cfg_a)  # the ranges configure() checked for cfg_a
         except ConfigError as e:
             raise UserError(f"--vs={vs!r}: {e}") from None
         if any(a.split("=", 1)[0] in ("--vs", "--device_type", "--data") for a in args):

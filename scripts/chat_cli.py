@@ -37,16 +37,10 @@ config = configure(globals())
 def check_settings():
     """
     Raises UserError (one line naming the flag) for a prompt given but empty or whitespace-only (-p "" or
-    --prompt=""), max_tokens < 1, temperature < 0 or top_k < 0 (0 means all tokens).
+    --prompt=""). The ranges of max_tokens, temperature and top_k are configure()'s (nanotrain.configurator.RULES).
     """
     if _prompt_given and not prompt.strip():
         raise UserError(f"--prompt={prompt!r} (-p): expected a non-empty message; leave out -p to chat interactively")
-    if max_tokens < 1:
-        raise UserError(f"--max_tokens={max_tokens}: expected an int >= 1 (most tokens per reply)")
-    if temperature < 0:
-        raise UserError(f"--temperature={temperature}: expected a float >= 0 (0 is greedy)")
-    if top_k < 0:
-        raise UserError(f"--top_k={top_k}: expected an int >= 1, or 0 to sample among all tokens")
 
 
 def main():

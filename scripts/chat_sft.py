@@ -171,9 +171,6 @@ def main():
         print0(f"--max_tokens_per_device={max_tokens_per_device} given: skipping the automatic discovery")
     if max_tokens_per_device is None and not auto_batch_size:
         max_tokens_per_device = 2048
-    if min(examples_per_step, max_tokens_per_device or 1, max_conversations_per_device) < 1:
-        raise UserError(f"--examples_per_step={examples_per_step}, --max_tokens_per_device={max_tokens_per_device} "
-                        f"and --max_conversations_per_device={max_conversations_per_device} must be >= 1")
 
     # the starting point: this run's checkpoint (resume) or the source checkpoint (fresh run)
     source_dir, stage = (None, None) if (resume and run_name) else find_source_dir()
@@ -189,8 +186,6 @@ def main():
             raise UserError(f"{source_dir} has no readable checkpoint; train one first")
     start = ckpt if ckpt is not None else src
     max_seq_len = config["max_seq_len"] or start["meta"]["max_seq_len"]
-    if max_seq_len < 1:
-        raise UserError(f"--max_seq_len={max_seq_len}: expected an integer >= 1, or None (the checkpoint's)")
     settings = dict(config, max_seq_len=max_seq_len)
     if ckpt is not None:
         check_resume(ckpt, run_dir, settings, RESUME_KEYS, world_size)
@@ -227,8 +222,6 @@ def main():
         sampler.load_state_dict(ckpt["rank_state"]["sampler"])
         set_rng_state(ckpt["rank_state"]["rng"], device)
     epoch_steps = max(1, len(train) // examples_per_step)
-    if num_iterations is not None and num_iterations < 1:
-        raise UserError(f"--num_iterations={num_iterations}: expected an integer >= 1, or None (one epoch)")
     total_steps = num_iterations if num_iterations is not None else epoch_steps
     pad_id = tokenizer.get_bos_token_id()
 

@@ -137,8 +137,6 @@ def main():
             raise UserError(f"{base_dir} has no readable checkpoint; train one first (python scripts/base_train.py)")
     start = ckpt if ckpt is not None else base
     max_seq_len = config["max_seq_len"] or start["meta"]["max_seq_len"]
-    if max_seq_len < 1:
-        raise UserError(f"--max_seq_len={max_seq_len}: expected an integer >= 1, or None (the checkpoint's)")
     total_batch_size = config["total_batch_size"] or start["meta"]["total_batch_size"]
     model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=max_seq_len))
     opt_kwargs = dict(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
@@ -203,8 +201,6 @@ def main():
     row_tokens = max_seq_len + 1  # inputs and the shifted targets
     epoch_steps = max(1, all_reduce_scalar(train_stream.tokens_per_epoch // (rows_per_step * row_tokens), "min",
                                            device))
-    if num_iterations is not None and num_iterations < 1:
-        raise UserError(f"--num_iterations={num_iterations}: expected an integer >= 1, or None (one epoch)")
     total_steps = num_iterations if num_iterations is not None else epoch_steps
     val_tokens_min = all_reduce_scalar(sum(len(t) for t in val_tokens), "min", device)
     eval_steps = max(1, min(eval_tokens // (device_batch_size * max_seq_len * world_size),

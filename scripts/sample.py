@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from nanotrain.common import UserError, autodetect_device_type, run_script
+from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.engine import load_model
 
@@ -22,21 +22,10 @@ temperature = 0.8  # 0 is greedy
 top_k = 50  # sample among the k most likely tokens; 0 means all
 seed = 42  # sampling seed
 device_type = ""  # cuda | mps | cpu; "" autodetects
-config = configure(globals())
-
-
-def check_settings():
-    """Raises UserError (one line naming the flag) for max_tokens < 1, temperature < 0 or top_k < 0 (0: all)."""
-    if max_tokens < 1:
-        raise UserError(f"--max_tokens={max_tokens}: expected an int >= 1 (tokens to generate)")
-    if temperature < 0:
-        raise UserError(f"--temperature={temperature}: expected a float >= 0 (0 is greedy)")
-    if top_k < 0:
-        raise UserError(f"--top_k={top_k}: expected an int >= 1, or 0 to sample among all tokens")
+config = configure(globals())  # also checks max_tokens >= 1, temperature >= 0, top_k >= 1 or 0 (RULES)
 
 
 def main():
-    check_settings()
     device = torch.device(device_type or autodetect_device_type())
     model, tokenizer, path, _ = load_model(stage, run_name, step, device)
     ids = tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id())

@@ -20,9 +20,10 @@ max_chars = 2_000_000_000  # train on at most this many characters (the capped d
 doc_cap = 10_000  # characters kept per document (its beginning)
 data = "builtin"  # data source: builtin (offline), fineweb-edu, or a directory / glob of .parquet/.jsonl/.txt files
 
-from nanotrain.configurator import configure  # noqa: E402
+from nanotrain.configurator import configure, ints  # noqa: E402
 
-config = configure(globals())
+config = configure(globals(), rules={  # vocab_size: stricter than other scripts' (any int >= 1)
+    "vocab_size": ints(MIN_VOCAB_SIZE, note=f"256 bytes + {MIN_VOCAB_SIZE - 256} special tokens")})
 
 EVAL_DOCS = 1000  # the compression ratio is measured on the first EVAL_DOCS val documents ...
 EVAL_CHARS = 10_000_000  # ... or fewer, if they reach EVAL_CHARS characters
@@ -40,10 +41,6 @@ def capped_texts(files, stats):
 
 
 try:
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise UserError(f"--vocab_size={vocab_size}: expected >= {MIN_VOCAB_SIZE} (256 bytes + 9 special tokens)")
-    if max_chars < 1 or doc_cap < 1:
-        raise UserError(f"--max_chars={max_chars} --doc_cap={doc_cap}: both must be >= 1")
     train_files = resolve_data_files(data, "train")
     val_files = resolve_data_files(data, "val")
     print(f"training a {vocab_size}-token BPE tokenizer on --data={data} ({len(train_files)} train files), "
