@@ -111,3 +111,34 @@ def test_sampling_settings_out_of_range_are_errors(trained, script, arg, flag):
     extra = ["--source=base", "-p", "hi"] if script == "chat_cli.py" else []
     r = run_script(script, *extra, arg, base_dir=trained, timeout=120)
     assert_one_error_line(r, flag)
+
+
+@pytest.mark.parametrize("arg, flag", [
+    ("--run_name=../../x", "--run_name"),  # old: trained and wrote <tmp>/x, two levels above <base>/base/
+    ("--run_name=ABS", "--run_name"),  # old: trained and wrote the absolute directory
+    ("--matrix_lr=-0.01", "--matrix_lr"),  # old: Muon's ValueError traceback
+    ("--embedding_lr=-1", "--embedding_lr"),  # old: accepted silently, trained
+], ids=["parent", "absolute", "matrix_lr", "embedding_lr"])
+def test_base_train_out_of_range_settings_are_one_line(base_dir, tmp_path, arg, flag):
+    """
+    Catches a run name that leaves <base>/base/ and negative learning rates reaching the training (on the old code
+    --run_name=../../x and an absolute --run_name trained and wrote the run outside <base>/base/, --matrix_lr=-0.01
+    died in Muon with a traceback, --embedding_lr=-1 trained silently). Expects one `error: <flag>=...` line, exit 2,
+    and nothing written: no stage directory in <base>, none of the directories the old code created outside it.
+    """
+    outside = tmp_path / "abs_run"
+    arg = arg.replace("ABS", str(outside))
+    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=1", arg, base_dir=base_dir, timeout=120)
+    assert_one_error_line(r, flag)
+    assert not (base_dir / "base").exists()
+    assert not (tmp_path / "x").exists() and not outside.exists()
+
+
+def test_chat_eval_batch_size_zero_is_one_line(trained):
+    """
+    Catches an evaluation batch size of 0 reaching the decoding (on the old code: a ValueError traceback from
+    range() with step 0 in Engine.generate, after loading the model). Expects one `error: --batch_size=...` line.
+    """
+    r = run_script("chat_eval.py", "--source=base", "--max_problems=2", "--batch_size=0", base_dir=trained,
+                   timeout=120)
+    assert_one_error_line(r, "--batch_size")

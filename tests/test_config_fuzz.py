@@ -111,3 +111,45 @@ ANY_TEXT_ARG = st.tuples(NAMES, st.text(max_size=24) | FLAT_LITERALS).map(lambda
 def test_fuzz_any_text(args):
     """The full property on any text, control characters and nested literals included."""
     check(args)
+
+
+RANGED = {"run_name": "", "base_run_name": "", "matrix_lr": 0.02, "init_lr_frac": 1.0, "top_k": 50,
+          "temperature": 0.8, "device_batch_size": None, "eval_every": -1, "step": -1, "seed": 42}
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(sorted(RANGED)), FLAT_LITERALS | st.text(max_size=24))
+                .map(lambda nv: f"--{nv[0]}={nv[1]}"), max_size=4))
+@example(["--run_name=../../x"])
+@example(["--run_name=/abs/dir", "--matrix_lr=-0.01"])
+@example(["--base_run_name=..", "--top_k=-1", "--matrix_lr=1e400"])
+@example(["--run_name=a\\b", "--run_name=x\x00y", "--run_name=.\n."])
+def test_fuzz_ranges(args):
+    """
+    configure()'s range check (nanotrain.configurator.validate) after the parse, on random values of settings with
+    rules: a one-line ConfigError, or values that are in range, checked here without the rules' own code: every run
+    name accepted ("" aside) is one directory level below the stage directory, every number finite and on its side of
+    the bounds. On the old code (no range check) `--run_name=../../x` and `--matrix_lr=-0.01` came back as values.
+    """
+    import math
+    import os
+
+    from nanotrain.configurator import validate
+
+    try:
+        out = apply_overrides(RANGED, args)
+        validate(out, RANGED)
+    except ConfigError as e:
+        assert str(e) and len(str(e).splitlines()) == 1, f"not one line: {str(e)!r}"
+        return
+    for name in ("run_name", "base_run_name"):
+        v = out[name]
+        stage = os.path.join(os.sep, "base", "stage")
+        assert v == "" or os.path.dirname(os.path.normpath(os.path.join(stage, v))) == stage, (name, v)
+        assert v == "" or os.path.basename(v) == v and "\\" not in v and v.isprintable(), (name, v)
+    assert math.isfinite(out["matrix_lr"]) and out["matrix_lr"] >= 0
+    assert 0 <= out["init_lr_frac"] <= 1 and math.isfinite(out["temperature"]) and out["temperature"] >= 0
+    assert type(out["top_k"]) is int and out["top_k"] >= 0
+    assert out["device_batch_size"] is None or (type(out["device_batch_size"]) is int and out["device_batch_size"] >= 1)
+    assert out["eval_every"] == -1 or out["eval_every"] >= 1
+    assert out["step"] >= -1 and 0 <= out["seed"] < 2**63

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from nanotrain.configurator import ConfigError, apply_overrides, parse_value
+from nanotrain.configurator import ConfigError, apply_overrides, configure, parse_value
 
 pytestmark = pytest.mark.unit
 
@@ -85,3 +85,195 @@ def test_script_bad_flag_exits_nonzero_with_one_line(script):
     assert r.returncode == 2
     assert r.stderr.strip() == "error: unknown setting --dept (did you mean --depth?)"
     assert "CONFIG" not in r.stdout
+
+
+# ----------------------------------------------------------------------------- ranges (nanotrain.configurator.RULES)
+# Through configure() in-process, as a script calls it (a dict stands in for the script's globals), so each test runs
+# on the old code too and fails there: the old configure() checked types only.
+
+RANGED = {"run_name": "", "base_run_name": "", "source_run_name": "", "seed": 42, "depth": 20, "max_seq_len": 2048,
+          "device_batch_size": None, "total_batch_size": 524288, "num_iterations": None, "batch_size": 64,
+          "examples_per_step": 32, "eval_tokens": 1024, "eval_every": 250, "save_every": 1000, "keep_last": 2,
+          "step": -1, "max_problems": -1, "max_tokens": 64, "temperature": 0.8, "top_k": 50,
+          "matrix_lr": 0.02, "embedding_lr": 0.2, "unembedding_lr": 0.004, "init_lr_frac": 1.0, "final_lr_frac": 0.0,
+          "weight_decay": 0.0, "grad_clip": 1.0, "warmup_ratio": 0.0, "warmdown_ratio": 0.2,
+          "target_param_data_ratio": 20, "batch_size_margin": 0.85, "device_memory_gb": None, "data": "builtin"}
+
+
+def configure_error(capsys, settings, *args, **kwargs):
+    """configure() on a copy of `settings` with `args`: asserts it exits 2 with one stderr line and returns it."""
+    with pytest.raises(SystemExit) as e:
+        configure(dict(settings), list(args), **kwargs)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("arg", [
+    "--run_name=../../x", "--run_name=/abs/dir", "--run_name=..", "--run_name=.", "--run_name=a/b",
+    "--run_name=a b", "--run_name=" + "x" * 101, "--base_run_name=../d4", "--source_run_name=/tmp",
+    "--run_name=a\nb",
+])
+def test_run_names_must_be_plain(capsys, arg):
+    """
+    Catches a run name that is not a plain directory name: on the old code each was accepted, and base_train with
+    --run_name=../../x wrote its run (checkpoints, config, metrics) two levels above <base>/base/, an absolute name
+    wrote there. Expects `error: --<flag>=<value>: expected a plain run name ...`, for every setting naming a run.
+    """
+    flag, value = arg.split("=", 1)
+    line = configure_error(capsys, RANGED, arg)
+    shown = value if value.isprintable() else repr(value)[1:-1]
+    assert line.startswith(f"error: {flag}={shown[:80]}")
+    assert "expected a plain run name (letters, digits, '-', '_', '.'; not '.' or '..'" in line
+    assert line.endswith("or '' (see --help)")
+
+
+@pytest.mark.parametrize("arg,expected", [
+    ("--embedding_lr=-1", "--embedding_lr=-1.0: expected a finite number >= 0 (a learning rate)"),
+    ("--matrix_lr=-0.01", "--matrix_lr=-0.01: expected a finite number >= 0 (a learning rate)"),
+    ("--unembedding_lr=1e400", "--unembedding_lr=inf: expected a finite number >= 0 (a learning rate)"),
+    ("--init_lr_frac=1.5", "--init_lr_frac=1.5: expected a finite number in [0, 1]"),
+    ("--final_lr_frac=-0.1", "--final_lr_frac=-0.1: expected a finite number in [0, 1]"),
+    ("--weight_decay=-0.1", "--weight_decay=-0.1: expected a finite number >= 0"),
+    ("--weight_decay=1e400", "--weight_decay=inf: expected a finite number >= 0"),
+    ("--grad_clip=-1", "--grad_clip=-1.0: expected a finite number >= 0 (0 turns clipping off)"),
+    ("--warmup_ratio=2", "--warmup_ratio=2.0: expected a finite number in [0, 1] (a fraction of the steps)"),
+    ("--target_param_data_ratio=0", "--target_param_data_ratio=0: expected a finite number > 0 (tokens per parameter)"),
+    ("--batch_size_margin=0", "--batch_size_margin=0.0: expected a finite number in (0, 1] (a fraction of the device "
+     "memory)"),
+    ("--device_memory_gb=-2", "--device_memory_gb=-2: expected a finite number > 0 (GiB), or None (see --help)"),
+])
+def test_learning_rates_and_optimizer_settings_in_range(capsys, arg, expected):
+    """
+    Catches optimizer settings out of range going through: on the old code --embedding_lr=-1 trained silently,
+    --matrix_lr=-0.01 died in Muon with a ValueError traceback, an infinite lr or weight decay made the weights NaN,
+    --grad_clip=-1 silently turned clipping off, a fraction above 1 (init_lr_frac, warmup_ratio) scaled the lrs past
+    their values. Every `*_lr` is finite and >= 0, `*_frac` and the warmup/warmdown ratios in [0, 1].
+    """
+    assert configure_error(capsys, RANGED, arg) == f"error: {expected}"
+
+
+@pytest.mark.parametrize("arg,expected", [
+    ("--device_batch_size=0", "--device_batch_size=0: expected an int >= 1, or None (see --help)"),
+    ("--device_batch_size=[4]", "--device_batch_size=[4]: expected an int >= 1, or None (see --help)"),
+    ("--total_batch_size=0", "--total_batch_size=0: expected an int >= 1"),
+    ("--max_seq_len=-1", "--max_seq_len=-1: expected an int >= 1"),
+    ("--depth=0", "--depth=0: expected an int >= 1"),
+    ("--num_iterations=0", "--num_iterations=0: expected an int >= 1, or None (see --help)"),
+    ("--batch_size=0", "--batch_size=0: expected an int >= 1"),
+    ("--examples_per_step=0", "--examples_per_step=0: expected an int >= 1"),
+    ("--eval_tokens=0", "--eval_tokens=0: expected an int >= 1"),
+    ("--max_tokens=0", "--max_tokens=0: expected an int >= 1"),
+    ("--max_problems=0", "--max_problems=0: expected an int >= 1, or -1 (-1 means all)"),
+    ("--max_problems=-2", "--max_problems=-2: expected an int >= 1, or -1 (-1 means all)"),
+    ("--eval_every=0", "--eval_every=0: expected an int >= 1, or -1 (-1 turns it off)"),
+    ("--save_every=-5", "--save_every=-5: expected an int >= 1, or -1 (-1 turns it off)"),
+    ("--keep_last=-1", "--keep_last=-1: expected an int >= 0 (0 keeps all)"),
+    ("--step=-2", "--step=-2: expected an int >= 0, or -1 (-1 is the newest)"),
+    ("--seed=-1", "--seed=-1: expected an int in [0, 2**63)"),
+])
+def test_batch_sizes_and_counts_in_range(capsys, arg, expected):
+    """
+    Catches sizes and counts out of range going through: on the old code chat_eval.py --batch_size=0 died with a
+    traceback (range() step 0), --max_problems=-2 meant all and 0 none, --eval_every=0 meant off, --keep_last=-1
+    and --step=-2 were taken as 0 / the newest, a list for a None-default batch size reached the script, and
+    --num_iterations=0 / --depth=0 were refused only after loading the tokenizer, each script with its own words.
+    """
+    assert configure_error(capsys, RANGED, arg) == f"error: {expected}"
+
+
+@pytest.mark.parametrize("arg,expected", [
+    ("--top_k=-1", "--top_k=-1: expected an int >= 1, or 0 (0 samples among all tokens)"),
+    ("--temperature=-0.5", "--temperature=-0.5: expected a finite number >= 0 (0 is greedy)"),
+    ("--temperature=1e400", "--temperature=inf: expected a finite number >= 0 (0 is greedy)"),
+])
+def test_sampling_settings_in_range(capsys, arg, expected):
+    """
+    Catches sampling settings out of range going through the configurator: on the old code only chat_cli and sample
+    had their own checks (in main), an infinite temperature went through everywhere. top_k >= 1 or 0 (all tokens,
+    the scripts' "off"), temperature finite and >= 0.
+    """
+    assert configure_error(capsys, RANGED, arg) == f"error: {expected}"
+
+
+def test_edge_values_and_sentinels_stay_allowed(capsys):
+    """
+    The other side of the rules (passes on the old code too): zero lrs (the smoke matrix's negative control), a huge
+    finite lr (test_robustness's non-finite run), the fractions' ends, the documented sentinels (-1 off / newest /
+    all, 0 keeps all, 0 = all tokens, 0 = greedy, 0 = no clipping), None where the default is None, and "" and plain
+    names for every run name.
+    """
+    args = ["--run_name=d4", "--base_run_name=my-run_1.2", "--source_run_name=", "--matrix_lr=0", "--embedding_lr=1e38",
+            "--unembedding_lr=0", "--init_lr_frac=0", "--final_lr_frac=1", "--warmup_ratio=1", "--grad_clip=0",
+            "--eval_every=-1", "--save_every=1", "--keep_last=0", "--step=-1", "--max_problems=-1", "--top_k=0",
+            "--temperature=0", "--device_batch_size=None", "--num_iterations=1", "--batch_size_margin=1",
+            "--device_memory_gb=0.05", "--seed=0"]
+    g = dict(RANGED)
+    out = configure(g, args)
+    assert out["matrix_lr"] == 0.0 and out["embedding_lr"] == 1e38 and out["top_k"] == 0
+    assert out["device_batch_size"] is None and out["source_run_name"] == "" and g["base_run_name"] == "my-run_1.2"
+    assert "error" not in capsys.readouterr().err
+
+
+def test_a_bad_default_is_caught(capsys):
+    """Catches a script whose own default is out of range (on the old code configure checked only the overrides'
+    types, so a negative or NaN default trained): the message says it is the script's default."""
+    line = configure_error(capsys, dict(RANGED, embedding_lr=-1.0))
+    assert line == ("error: --embedding_lr=-1.0 (the script's default): expected a finite number >= 0 "
+                    "(a learning rate)")
+    line = configure_error(capsys, dict(RANGED, matrix_lr=float("nan")))
+    assert line.startswith("error: --matrix_lr=nan (the script's default): expected a finite number >= 0")
+
+
+def test_a_script_declares_its_own_rule(capsys):
+    """
+    configure(..., rules=...) gives one setting a stricter rule (tok_train: vocab_size >= 265) or none (None);
+    a rule for a setting the script does not have is a programming error. On the old code configure() had no
+    `rules` argument.
+    """
+    from nanotrain.configurator import ints
+
+    settings = {"vocab_size": 4096, "matrix_lr": 0.02}
+    line = configure_error(capsys, settings, "--vocab_size=100", rules={"vocab_size": ints(265, note="bytes")})
+    assert line == "error: --vocab_size=100: expected an int >= 265 (bytes)"
+    assert configure(dict(settings), ["--matrix_lr=-1"], rules={"matrix_lr": None})["matrix_lr"] == -1.0
+    with pytest.raises(ValueError, match="rules for settings the script does not have: lr"):
+        configure(dict(settings), [], rules={"lr": None})
+
+
+def _script_defaults(path):
+    """The settings a script declares above its configure() call: {name: default} (constant expressions too)."""
+    import ast
+
+    values = {}
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name == "config":
+                break
+            try:  # literals, and constant arithmetic such as 20 * 524288
+                values[name] = eval(compile(ast.Expression(node.value), path, "eval"), {"__builtins__": {}})
+            except Exception:  # noqa: BLE001 - not a setting (an expression of names)
+                pass
+    return {k: v for k, v in values.items() if not k.startswith("_")}
+
+
+def test_every_numeric_setting_of_every_script_has_a_rule_and_a_valid_default():
+    """
+    Catches a script setting (int or float) with no range, or a default outside its range (on the old code there were
+    no rules). A new setting must reuse a standard name (or suffix) or get a rule in RULES.
+    """
+    import glob
+    import os
+
+    from nanotrain.configurator import rule_for, validate
+
+    scripts = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "*.py")))
+    assert len(scripts) >= 10
+    for path in scripts:
+        defaults = _script_defaults(path)
+        assert defaults, path
+        missing = [k for k, v in defaults.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and rule_for(k) is None]
+        assert not missing, (os.path.basename(path), missing)
+        validate(defaults)
