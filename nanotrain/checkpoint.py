@@ -17,17 +17,23 @@ Layout of a run directory (<base_dir>/<stage>/<run>/):
 
 A checkpoint is written into step_XXXXXX.tmp/ by all ranks and renamed by rank 0 once every file is in place, so a
 directory named step_XXXXXX/ with a meta.json is always complete. Everything is loaded with
-torch.load(weights_only=True): no arbitrary pickle is ever executed.
+torch.load(weights_only=True): no arbitrary pickle is ever executed. A checkpoint that cannot be used (a torn or
+foreign file, a meta.json without the keys its reader needs, weights that do not fit its model_config) raises
+CheckpointError, one line naming the file; readers skip it for an older one (load_latest, resume_checkpoint,
+nanotrain.engine.load_model without --step).
 """
 
+import dataclasses
 import errno
 import json
 import os
+import pickletools
 import shutil
 import socket
 import sys
 import time
 import warnings
+import zipfile
 
 import torch
 
@@ -43,6 +49,7 @@ from nanotrain.common import (
     print0,
 )
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
+from nanotrain.gpt import GPT, GPTConfig
 
 try:  # POSIX (Linux, macOS); elsewhere runs are not locked
     import fcntl
@@ -206,7 +213,7 @@ def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
     be read on some rank: resuming would silently lose the run, so the user must choose (--resume=False starts over).
     """
     paths = list_checkpoints(run_dir)
-    ckpt = load_latest(run_dir, device, rank)
+    ckpt = load_latest(run_dir, device, rank, meta_keys=RESUME_META_KEYS)
     step = ckpt["meta"]["step"] if ckpt is not None else -1
     agreed = int(all_reduce_scalar(step, "min", comm_device or device))
     if not paths:
@@ -218,7 +225,7 @@ def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
     if agreed != step:  # another rank could not read this rank's newest: take the one every rank has
         path = next(p for p in paths if p.endswith(f"step_{agreed:06d}"))
         print0(f"--resume=True: resuming from {path}, the newest checkpoint every rank can read")
-        ckpt = load_checkpoint(path, device, rank)
+        ckpt = load_checkpoint(path, device, rank, meta_keys=RESUME_META_KEYS)
     return ckpt
 
 
@@ -230,6 +237,9 @@ def check_resume(ckpt, run_dir, settings, keys, world_size):
     """
     old = ckpt["meta"]["config"]
     for key in keys:
+        if key not in old:
+            raise UserError(f"--resume=True: the checkpoint {ckpt['path']} records no --{key} in its meta.json "
+                            f"config (written by another version?); run with --resume=False to start over")
         if old[key] != settings[key]:
             raise UserError(f"--resume=True: the checkpoint in {run_dir} has {key}={old[key]!r} but this run "
                             f"has --{key}={settings[key]!r}")
@@ -251,37 +261,228 @@ def list_checkpoints(run_dir):
     return [p for _, p in sorted(out)]
 
 
-def load_checkpoint(path, device, rank=0, load_optimizer=True):
+class CheckpointError(UserError):
     """
-    Loads one checkpoint directory. Returns {"meta", "model", "optim" (or None), "rank_state" (or None)}, tensors
-    mapped to `device` (rank state stays on the CPU). rank_state is None when the checkpoint was written by fewer
-    than rank + 1 processes; with load_optimizer (a resume) a missing rank file of a rank that did write is an
-    incomplete checkpoint. Raises ValueError/RuntimeError/OSError (FileNotFoundError for a missing file) if it is
-    unreadable.
+    A checkpoint file that cannot be used: missing, empty, truncated, not a torch.save file, a pickle of arbitrary
+    Python objects, a meta.json without the keys its reader needs, or weights that do not fit the model_config.
+    `file`: the file's path; `problem`: what is wrong with it. str() is the one line "<file> <problem>".
     """
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    model = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+
+    def __init__(self, file, problem):
+        problem = " ".join(problem.splitlines())  # one line, whatever a library's message held
+        super().__init__(f"{file} {problem}")
+        self.file, self.problem = file, problem
+
+
+# what the readers of a checkpoint take from its meta.json besides "step" and "world_size" (which save_checkpoint
+# always writes): every training stage on resume, and inference (nanotrain.engine.load_model)
+RESUME_META_KEYS = ("config", "model_config", "tokens_seen", "train_time")
+INFERENCE_META_KEYS = ("model_config",)
+
+_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+
+
+def _imported_names(data):
+    """
+    "module.name" of every object the pickle `data` (bytes or a binary file) would import (GLOBAL, INST, STACK_GLOBAL), read with
+    pickletools, which parses the opcodes and runs nothing. Raises an Exception (ValueError mostly) if `data` is not
+    one complete pickle.
+    """
+    names, strings, memo, top = [], [], {}, None
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("GLOBAL", "INST"):
+            names.append(arg.replace(" ", "."))
+        elif op.name == "STACK_GLOBAL":  # module and name are the last two strings pushed (directly or from the memo)
+            names.append(".".join(strings[-2:]) if len(strings) >= 2 else "an unnamed object")
+        if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+            memo[len(memo) if arg is None else arg] = top
+            continue
+        if op.name in ("GET", "BINGET", "LONG_BINGET"):
+            top = memo.get(arg)
+        elif op.name in _STRING_OPS:
+            top = arg
+        elif op.stack_after:
+            top = None
+        else:
+            continue
+        if isinstance(top, str):
+            strings.append(top)
+    return names
+
+
+def _foreign_imports(file):
+    """
+    The objects other than torch's (module torch or torch.*, collections.OrderedDict) that the pickle torch.load
+    reads from `file` would import: the data.pkl of a zip archive (torch.save's format), else the file itself.
+    A sorted list of "module.name"; [] when the pickle is damaged or `file` is no pickle at all.
+    """
+    try:
+        if zipfile.is_zipfile(file):
+            with zipfile.ZipFile(file) as z:
+                names = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+                with z.open(names[0]) as f:
+                    imported = _imported_names(f)
+        else:
+            with open(file, "rb") as f:
+                imported = _imported_names(f)
+    except Exception:  # not one complete pickle (or no data.pkl in the archive): damaged, or not a pickle at all
+        return []
+    return sorted({n for n in imported if n.split(".")[0] != "torch" and n != "collections.OrderedDict"})
+
+
+def _torch_reason(exc):
+    """The first informative line of torch.load's error `exc`, without its advice to load with weights_only=False."""
+    text = str(exc).split("WeightsUnpickler error:", 1)[-1]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "weights_only" not in ln]
+    first = lines[0].split(". This is an internal miniz error")[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
+
+
+def load_tensor_file(file, device):
+    """
+    torch.load(file, map_location=device, weights_only=True): the tensors, dicts, lists and plain values of a
+    torch.save file; no arbitrary pickle is ever run. Raises CheckpointError, one line naming the file, if it is
+    missing, unreadable, empty, truncated or otherwise not a torch.save file, or a pickle that would import arbitrary
+    Python objects ("is not a plain tensor file ...; refusing to load it"; told apart from a damaged file with
+    pickletools, which runs nothing) instead of torch's multi-paragraph advice.
+    """
+    if not os.path.isfile(file):
+        raise CheckpointError(file, "is missing")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on the pickle protocol of a file it is about to refuse
+            return torch.load(file, map_location=device, weights_only=True)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        if isinstance(exc, PermissionError):  # other OSErrors (EINVAL from a seek) come from a damaged file
+            raise CheckpointError(file, f"cannot be read ({exc.strerror or exc})") from None
+        if os.path.getsize(file) == 0:
+            raise CheckpointError(file, "is empty") from None
+        foreign = _foreign_imports(file)
+        if foreign:
+            raise CheckpointError(file, f"is not a plain tensor file (it holds arbitrary Python objects); refusing to "
+                                        f"load it (it would import {', '.join(foreign[:3])})") from None
+        raise CheckpointError(file, f"is truncated or not a torch.save file ({_torch_reason(exc)})") from None
+
+
+def _check_meta(meta_file, meta, meta_keys):
+    """Raises CheckpointError unless `meta` (a loaded meta.json) is an object with the keys a reader needs."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(meta_file, f"holds a JSON {type(meta).__name__}, not an object")
+    missing = [k for k in ("step", "world_size", *meta_keys) if k not in meta]
+    if missing:
+        raise CheckpointError(meta_file, f"lacks the key{'s' if len(missing) > 1 else ''} "
+                                         f"{', '.join(repr(k) for k in missing)}")
+    for key, least in (("step", 0), ("world_size", 1)):
+        if type(meta[key]) is not int or meta[key] < least:
+            raise CheckpointError(meta_file, f"has {key}={meta[key]!r}; expected an int >= {least}")
+    name = os.path.basename(os.path.dirname(meta_file))
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != meta["step"]:
+        raise CheckpointError(meta_file, f"has step={meta['step']} but is in the directory {name}")
+    if "config" in meta and not isinstance(meta["config"], dict):
+        raise CheckpointError(meta_file, f"has \"config\" {str(meta['config'])[:80]!r}; expected an object")
+    for key in ("tokens_seen", "train_time"):
+        if key in meta and (type(meta[key]) not in (int, float) or meta[key] < 0):
+            raise CheckpointError(meta_file, f"has {key}={meta[key]!r}; expected a number >= 0")
+    if "model_config" in meta:  # the sizes every checkpoint has recorded; GPTConfig fields added later may be absent
+        required = ("max_seq_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "model_dim")
+        fields = {f.name for f in dataclasses.fields(GPTConfig)}
+        mc = meta["model_config"]
+        if not (isinstance(mc, dict) and set(required) <= set(mc) <= fields
+                and all(type(mc[k]) is int and mc[k] >= 1 for k in required)):
+            raise CheckpointError(meta_file, f"has \"model_config\" {str(mc)[:200]}; expected an object of the "
+                                             f"ints >= 1 {', '.join(required)}")
+
+
+def _check_model_state(model_file, state, meta_file, meta):
+    """
+    Raises CheckpointError unless `state` (model.pt) is a non-empty dict of named tensors and, when `meta` has a
+    model_config, holds exactly the names and shapes of that GPT (compared on the meta device: no memory).
+    """
+    if not isinstance(state, dict) or not state:
+        what = "an empty dict" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise CheckpointError(model_file, f"holds {what}, not the model's weights (a state dict of tensors)")
+    bad = [k for k, v in state.items() if not isinstance(k, str) or not torch.is_tensor(v)]
+    if bad:
+        raise CheckpointError(model_file, f"is not a state dict of tensors (entry {str(bad[0])[:80]!r} is "
+                                          f"a {type(state[bad[0]]).__name__})")
+    if "model_config" not in meta:
+        return
+    try:
+        with torch.device("meta"):
+            expected = GPT(GPTConfig(**meta["model_config"])).state_dict()
+    except Exception as exc:
+        raise CheckpointError(meta_file, f"has a \"model_config\" that makes no model ({type(exc).__name__}: "
+                                         f"{str(exc)[:200]})") from None
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
+    if missing or unexpected or wrong:
+        parts = [f"{len(v)} {what} (e.g. {v[0]})" for v, what in ((missing, "missing"), (unexpected, "unexpected"),
+                                                                    (wrong, "of the wrong shape")) if v]
+        raise CheckpointError(model_file, f"does not fit the model_config of {meta_file}: {len(state)} tensors, "
+                                          f"{', '.join(parts)}")
+
+
+def load_checkpoint(path, device, rank=0, load_optimizer=True, meta_keys=()):
+    """
+    Loads one checkpoint directory. Returns {"meta", "model", "optim" (or None), "rank_state" (or None), "path"},
+    tensors mapped to `device` (rank state stays on the CPU). rank_state is None when the checkpoint was written by
+    fewer than rank + 1 processes; with load_optimizer (a resume) a missing rank file of a rank that did write is an
+    incomplete checkpoint. meta_keys: the keys of meta.json the caller needs besides "step" and "world_size"
+    (RESUME_META_KEYS, INFERENCE_META_KEYS).
+    Raises CheckpointError (a UserError: one line naming the file and what is wrong) if the checkpoint cannot be
+    used: meta.json missing, not a JSON object, without one of those keys, or with a step other than its directory's
+    or a malformed model_config; a .pt file missing, damaged or holding arbitrary Python objects (load_tensor_file);
+    model.pt not a non-empty state dict of tensors, or (with a model_config) not the names and shapes of that GPT;
+    optim.pt not a list, a rank file not a dict. So every reader (resume, inference) treats a checkpoint with a bad
+    meta.json or bad weights like a torn one, and can fall back to an older checkpoint.
+    """
+    meta_file = os.path.join(path, "meta.json")
+    try:
+        with open(meta_file, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(meta_file, "is missing") from None
+    except OSError as exc:
+        raise CheckpointError(meta_file, f"cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(meta_file, f"is not valid JSON ({str(exc).splitlines()[0][:200]})") from None
+    _check_meta(meta_file, meta, meta_keys)
+    model_file = os.path.join(path, "model.pt")
+    model = load_tensor_file(model_file, device)
+    _check_model_state(model_file, model, meta_file, meta)
     optim = None
     if load_optimizer:
-        optim = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True)
+        optim_file = os.path.join(path, "optim.pt")
+        optim = load_tensor_file(optim_file, device)
+        if not isinstance(optim, list):
+            raise CheckpointError(optim_file, f"holds a {type(optim).__name__}, not the list of optimizer states")
     rank_file = os.path.join(path, f"rank_{rank:05d}.pt")
-    if load_optimizer and rank < meta.get("world_size", 1) and not os.path.exists(rank_file):
-        raise FileNotFoundError(f"{rank_file} is missing")
-    rank_state = torch.load(rank_file, map_location="cpu", weights_only=True) if os.path.exists(rank_file) else None
+    if load_optimizer and rank < meta["world_size"] and not os.path.exists(rank_file):
+        raise CheckpointError(rank_file, "is missing")
+    rank_state = None
+    if os.path.exists(rank_file):
+        rank_state = load_tensor_file(rank_file, "cpu")
+        if not isinstance(rank_state, dict):
+            raise CheckpointError(rank_file, f"holds a {type(rank_state).__name__}, not this rank's state (a dict)")
     return {"meta": meta, "model": model, "optim": optim, "rank_state": rank_state, "path": path}
 
 
-def load_latest(run_dir, device, rank=0, load_optimizer=True):
+def load_latest(run_dir, device, rank=0, load_optimizer=True, meta_keys=()):
     """
     The newest readable checkpoint of a run, as load_checkpoint() returns it, or None if there is none.
-    A partial or corrupt checkpoint is skipped with a warning and the previous one is used.
+    A partial or corrupt checkpoint is skipped with a warning (naming the file and what is wrong with it) and the
+    previous one is used.
     """
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return load_checkpoint(path, device, rank, load_optimizer)
-        except Exception as e:  # corrupt file: fall back to the previous checkpoint
-            warnings.warn(f"skipping unreadable checkpoint {path}: {type(e).__name__}: {str(e)[:200]}")
+            return load_checkpoint(path, device, rank, load_optimizer, meta_keys)
+        except CheckpointError as e:
+            warnings.warn(f"skipping unreadable checkpoint {path}: {e}")
+        except Exception as e:  # anything else a damaged file can raise: fall back to the previous checkpoint
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            warnings.warn(f"skipping unreadable checkpoint {path}: {type(e).__name__}: {first}")
     return None
 
 

@@ -7,12 +7,14 @@ Batching: prompts of the same length are prefilled and decoded together in one K
 one position for all rows, so rows of different lengths would need left-padding and masks; grouping avoids both).
 """
 
+import os
+import sys
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 
-from nanotrain.checkpoint import find_run_dir, list_checkpoints, load_checkpoint
+from nanotrain.checkpoint import INFERENCE_META_KEYS, CheckpointError, find_run_dir, list_checkpoints, load_checkpoint
 from nanotrain.common import UserError
 from nanotrain.gpt import GPTConfig, KVCache, build_model
 from nanotrain.tokenizer import get_tokenizer
@@ -123,7 +125,16 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
     Loads a checkpoint of a training stage for inference, as scripts/sample.py does: the newest run of `stage`
     ("base", "mid" or "sft") if run_name is "", and its newest checkpoint if step < 0. Returns
     (model in eval mode (fp32 weights on `device`), tokenizer, checkpoint path, meta dict).
-    Raises UserError if there is no such run or checkpoint, or no tokenizer.
+
+    A checkpoint that cannot be used (nanotrain.checkpoint.CheckpointError: a missing, truncated or garbage file, a
+    pickle of arbitrary objects, a meta.json without "model_config", weights that do not fit it) is handled as
+    training's resume handles it: without a step, the newest readable checkpoint is loaded and one line
+    `warning: ...` on stderr names every newer one skipped, what is wrong with it, and the one loaded (stderr, like
+    the scripts' `checkpoint: ...` line, because stdout of sample.py and chat_cli.py is the generated text); a
+    checkpoint asked for by step that cannot be used is an error, never replaced by another.
+    Raises UserError (one line) if there is no such run or checkpoint, no readable checkpoint (naming the newest
+    one's bad file and what is wrong), an unreadable requested step, or no tokenizer or another one than the
+    model's.
     """
     if stage not in ("base", "mid", "sft"):
         raise UserError(f"--source={stage!r}: expected 'base', 'mid' or 'sft'")
@@ -133,10 +144,26 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
     if not paths:
         where = f" for --run_name={run_name}" if run_name else ""
         raise UserError(f"no {stage} checkpoint found{where}; train one first (python scripts/{script})")
-    path = paths[-1] if step < 0 else next((p for p in paths if p.endswith(f"step_{step:06d}")), None)
-    if path is None:
-        raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
-    ckpt = load_checkpoint(path, device, load_optimizer=False)
+    if step >= 0:
+        paths = [p for p in paths if p.endswith(f"step_{step:06d}")]
+        if not paths:
+            raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
+    skipped = []  # (path, CheckpointError) of the newer checkpoints that cannot be used
+    for path in reversed(paths):
+        try:
+            ckpt = load_checkpoint(path, device, load_optimizer=False, meta_keys=INFERENCE_META_KEYS)
+            break
+        except CheckpointError as e:
+            skipped.append((path, e))
+    else:
+        path, e = skipped[0]
+        n = len(skipped) - 1
+        older = f" (and the {n} older checkpoint{'s' if n > 1 else ''} cannot be read either)" if n else ""
+        raise UserError(f"cannot read the checkpoint {path}: {os.path.relpath(e.file, path)} {e.problem}{older}")
+    if skipped:
+        why = "; ".join(f"{os.path.relpath(e.file, os.path.dirname(p))} {e.problem}" for p, e in skipped)
+        print(f"warning: loaded the older checkpoint {path}: the newer one{'s' if len(skipped) > 1 else ''} cannot "
+              f"be read: {why}", file=sys.stderr, flush=True)
     tokenizer = get_tokenizer()
     model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size(),
                         tokenizer_sha256=tokenizer.fingerprint())

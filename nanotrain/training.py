@@ -8,6 +8,7 @@ The loops themselves stay in the scripts, to be read top to bottom.
 import json
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 
@@ -174,11 +175,13 @@ def check_finite(value, step, run_dir, what="loss"):
                         f"in {run_dir}/checkpoints is intact; try a lower lr)")
 
 
-def _json_or_none(line):
+def _metrics_row(line):
+    """The row of one metrics.jsonl line: a JSON object with an int "step", else None."""
     try:
-        return json.loads(line)
+        row = json.loads(line)
     except json.JSONDecodeError:
         return None
+    return row if isinstance(row, dict) and type(row.get("step")) is int else None
 
 
 class MetricsLog:
@@ -188,6 +191,13 @@ class MetricsLog:
     evaluation rows of that step and everything later are dropped, because the resumed run evaluates at its first
     step again (the saving run may or may not have: a regular save comes before the evaluation, a stop request
     saves and leaves before it), so every evaluation appears exactly once.
+
+    On resume, a line that is not a JSON object with an int "step" (the torn last line of a killed run, a file
+    rewritten as one JSON list, rows of another tool) cannot be placed before or after the resume step: it is
+    dropped, moved to metrics.jsonl.dropped (appended, so nothing is lost), and one `warning:` line on stderr names
+    the file and counts the rows. The run goes on rather than refusing: the checkpoint is what the resume needs and
+    it is intact; metrics.jsonl is a record of it, and refusing would leave the user to repair a log by hand (or to
+    --resume=False, losing the run) for rows the run does not need.
     """
 
     def __init__(self, run_dir, resume_step=None, master=True):
@@ -199,11 +209,19 @@ class MetricsLog:
             if os.path.exists(self.path):
                 os.remove(self.path)
         elif os.path.exists(self.path):
-            with open(self.path) as f:
-                rows = [(ln, _json_or_none(ln)) for ln in f if ln.strip()]
-            rows = [(ln, r) for ln, r in rows if r is not None]  # a torn line of a killed run
-            keep = [ln for ln, r in rows if r["step"] < resume_step or (r["step"] == resume_step and "dt" in r)]
-            with open(self.path + ".tmp", "w") as f:
+            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
+                lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if ln.strip()]
+            rows = [(ln, _metrics_row(ln)) for ln in lines]
+            dropped = [ln for ln, r in rows if r is None]
+            if dropped:
+                with open(self.path + ".dropped", "a", encoding="utf-8", errors="surrogateescape") as f:
+                    f.writelines(dropped)
+                print(f"warning: {self.path}: dropped {len(dropped)} of its {len(lines)} rows, not JSON objects with "
+                      f"an int \"step\" (kept in {self.path}.dropped); the resumed run goes on", file=sys.stderr,
+                      flush=True)
+            keep = [ln for ln, r in rows if r is not None and (r["step"] < resume_step or
+                                                                 (r["step"] == resume_step and "dt" in r))]
+            with open(self.path + ".tmp", "w", encoding="utf-8", errors="surrogateescape") as f:
                 f.writelines(keep)
             os.replace(self.path + ".tmp", self.path)
         self.file = open(self.path, "a")

@@ -15,9 +15,17 @@ from nanotrain.gpt import GPT, GPTConfig
 pytestmark = pytest.mark.unit
 
 
+CONFIG = GPTConfig(max_seq_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, model_dim=32)
+
+
+def resume_meta(**config):
+    """The meta a training stage saves (the keys resume_checkpoint needs: RESUME_META_KEYS), with `config`."""
+    return {"config": config, "model_config": vars(CONFIG), "tokens_seen": 0, "train_time": 0.0}
+
+
 def setup():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, model_dim=32))
+    model = GPT(CONFIG)
     model.init_weights()
     opts = model.setup_optimizers()
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))).backward()
@@ -102,7 +110,7 @@ def test_resume_checks_settings_and_world_size(tmp_path, capsys):
     assert resume_checkpoint(run, "cpu") is None and "no checkpoint yet" in capsys.readouterr().out
     model, opts = setup()
     state = {"rng": rng_state("cpu")}
-    save_checkpoint(run, 3, model, opts, {"config": {"data": "a", "seq": 16, "lr": 0.1}}, state)
+    save_checkpoint(run, 3, model, opts, resume_meta(data="a", seq=16, lr=0.1), state)
     ckpt = resume_checkpoint(run, "cpu")
     assert ckpt["meta"]["step"] == 3
     check_resume(ckpt, run, {"data": "a", "seq": 16, "lr": 0.5}, ("data", "seq"), 1)  # lr is not checked
@@ -121,7 +129,7 @@ def test_missing_rank_file_falls_back_to_the_previous_checkpoint(tmp_path):
     from nanotrain.checkpoint import resume_checkpoint
     model, opts = setup()
     for step in (5, 10):
-        save_checkpoint(str(tmp_path), step, model, opts, {"config": {}}, {"loader": {"step": step}})
+        save_checkpoint(str(tmp_path), step, model, opts, resume_meta(), {"loader": {"step": step}})
     os.remove(tmp_path / "checkpoints" / "step_000010" / "rank_00000.pt")
     with pytest.warns(UserWarning, match="rank_00000.pt is missing"):
         ck = resume_checkpoint(str(tmp_path), "cpu")
@@ -137,10 +145,10 @@ def test_resume_refuses_when_no_checkpoint_can_be_read(tmp_path, capsys):
     from nanotrain.checkpoint import resume_checkpoint
     from nanotrain.common import UserError
     model, opts = setup()
-    path = save_checkpoint(str(tmp_path), 5, model, opts, {"config": {}}, {})
+    path = save_checkpoint(str(tmp_path), 5, model, opts, resume_meta(), {})
     with open(os.path.join(path, "model.pt"), "r+b") as f:
         f.truncate(100)
-    with pytest.warns(UserWarning, match="skipping unreadable checkpoint"):
+    with pytest.warns(UserWarning, match="skipping unreadable checkpoint .*model.pt is truncated"):
         with pytest.raises(UserError, match="none of the 1 checkpoints.*--resume=False"):
             resume_checkpoint(str(tmp_path), "cpu")
     assert resume_checkpoint(str(tmp_path / "new_run"), "cpu") is None
@@ -257,3 +265,212 @@ def test_a_really_full_filesystem(tmp_path):
         assert load_latest(str(mnt), "cpu")["meta"]["step"] == 5
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- damaged and foreign files
+
+class Planted:
+    """Unpickling it (pickle.load, torch.load(weights_only=False)) would create the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def one_line_error(fn, *args, **kwargs):
+    """The CheckpointError fn raises, after checking it is one line without torch's advice to drop weights_only."""
+    from nanotrain.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert "\n" not in msg and "weights_only" not in msg and msg.startswith(info.value.file), msg
+    return info.value
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random bytes", "empty", "missing"])
+def test_a_damaged_tensor_file_is_one_line_naming_it(tmp_path, damage):
+    """
+    model.pt cut short, replaced by random bytes, emptied or deleted: load_checkpoint raises CheckpointError (a
+    UserError) naming model.pt and what is wrong, in one line. The old code raised torch's errors: a RuntimeError of
+    the zip reader, or for random bytes an UnpicklingError of several paragraphs that even suggests loading with
+    weights_only=False.
+    """
+    from nanotrain.checkpoint import load_checkpoint
+    model, opts = setup()
+    path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
+    file = os.path.join(path, "model.pt")
+    if damage == "missing":
+        os.remove(file)
+    else:
+        data = open(file, "rb").read()
+        new = {"truncated": data[: len(data) // 2], "random bytes": random.Random(0).randbytes(5000),
+               "empty": b""}[damage]
+        open(file, "wb").write(new)
+    err = one_line_error(load_checkpoint, path, "cpu")
+    assert err.file == file
+    assert err.problem.startswith({"truncated": "is truncated or not a torch.save file (",
+                                   "random bytes": "is truncated or not a torch.save file (UnpicklingError: ",
+                                   "empty": "is empty", "missing": "is missing"}[damage]), err.problem
+
+
+@pytest.mark.parametrize("how", ["pickle", "pickle protocol 2", "torch.save"])
+@pytest.mark.parametrize("name", ["model.pt", "optim.pt", "rank_00000.pt"])
+def test_a_planted_pickle_is_refused_in_one_line_and_never_run(tmp_path, how, name):
+    """
+    Any file of a checkpoint replaced by a pickle of an object whose __reduce__ would create a marker file (a plain
+    pickle of today's or the old protocol, or torch.save's zip archive of it): refused (weights_only=True holds)
+    with one line "<file> is not a plain tensor file (it holds arbitrary Python objects); refusing to load it",
+    naming what it would import, and the marker is never created. The old message was torch's multi-paragraph
+    advice, which suggests weights_only=False, or for a protocol-4 pickle an "Unsupported operand 149".
+    """
+    from nanotrain.checkpoint import load_checkpoint
+    model, opts = setup()
+    path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
+    marker = tmp_path / "marker"
+    file = os.path.join(path, name)
+    if how == "torch.save":
+        torch.save(Planted(marker), file)
+    else:
+        with open(file, "wb") as f:
+            pickle.dump(Planted(marker), f, protocol=2 if how == "pickle protocol 2" else None)
+    err = one_line_error(load_checkpoint, path, "cpu")
+    assert err.file == file and err.problem.startswith(
+        "is not a plain tensor file (it holds arbitrary Python objects); refusing to load it"), err.problem
+    assert "system" in err.problem
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("edit, keys, fragment", [
+    (lambda m: m.pop("model_config"), ("model_config",), "lacks the key 'model_config'"),
+    (lambda m: m.pop("config"), ("config", "model_config"), "lacks the key 'config'"),
+    (lambda m: [m.pop("config"), m.pop("train_time")], ("config", "train_time"),
+     "lacks the keys 'config', 'train_time'"),
+    (lambda m: m.pop("world_size"), (), "lacks the key 'world_size'"),
+    (lambda m: m.update(step="1"), (), "has step='1'; expected an int >= 0"),
+    (lambda m: m.update(step=7), (), "has step=7 but is in the directory step_000001"),
+    (lambda m: m.update(config=[1, 2]), (), "has \"config\" '[1, 2]'; expected an object"),
+    (lambda m: m["model_config"].pop("n_head"), (), "has \"model_config\" {"),
+    (lambda m: m["model_config"].update(window=4), (), "'window': 4}; expected an object of the ints >= 1"),
+    (lambda m: m["model_config"].update(n_layer="1"), (), "expected an object of the ints >= 1 max_seq_len, "),
+    (lambda m: m["model_config"].update(n_head=3), (), "has a \"model_config\" that makes no model"),
+])
+def test_a_meta_json_without_what_its_reader_needs_is_unreadable(tmp_path, edit, keys, fragment):
+    """
+    A meta.json that lacks a key the caller needs (meta_keys; "step" and "world_size" always), has a step other
+    than its directory's, or a malformed model_config is a CheckpointError naming meta.json, so a resume or an
+    inference falls back past it like past a torn file. The old code loaded it and failed later with a KeyError
+    ('config', 'model_config') or a TypeError in GPTConfig(**...).
+    """
+    from nanotrain.checkpoint import load_checkpoint
+    model, opts = setup()
+    path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
+    file = os.path.join(path, "meta.json")
+    meta = json.load(open(file))
+    edit(meta)
+    json.dump(meta, open(file, "w"))
+    err = one_line_error(load_checkpoint, path, "cpu", meta_keys=keys)
+    assert err.file == file and fragment in err.problem, err.problem
+
+
+@pytest.mark.parametrize("text, fragment", [("[1, 2]", "holds a JSON list, not an object"),
+                                            ('{"step": 1, "wor', "is not valid JSON (")])
+def test_a_meta_json_that_is_not_an_object(tmp_path, text, fragment):
+    from nanotrain.checkpoint import load_checkpoint
+    model, opts = setup()
+    path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
+    open(os.path.join(path, "meta.json"), "w").write(text)
+    err = one_line_error(load_checkpoint, path, "cpu")
+    assert err.file == os.path.join(path, "meta.json") and fragment in err.problem, err.problem
+
+
+@pytest.mark.parametrize("state, fragment", [
+    ({}, "holds an empty dict, not the model's weights"),
+    ([torch.zeros(1)], "holds a list, not the model's weights"),
+    ({"wte.weight": 3}, "is not a state dict of tensors (entry 'wte.weight' is a int)"),
+    ("drop", "does not fit the model_config of "),
+    ("shape", "1 of the wrong shape (e.g. lm_head.weight)"),
+])
+def test_model_weights_that_do_not_fit_are_unreadable(tmp_path, state, fragment):
+    """
+    model.pt holding no weights (torch.save({})), not a dict of tensors, or names and shapes other than those of the
+    GPT of the meta's model_config (a tensor missing, one of the wrong shape): a CheckpointError naming model.pt.
+    The old code loaded it and build_model failed with load_state_dict's multi-line RuntimeError (missing keys).
+    """
+    from nanotrain.checkpoint import load_checkpoint
+    model, opts = setup()
+    path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
+    file = os.path.join(path, "model.pt")
+    if state == "drop":
+        state = dict(model.state_dict())
+        state.pop("wte.weight")
+    elif state == "shape":
+        state = dict(model.state_dict(), **{"lm_head.weight": torch.zeros(3, 3)})
+    torch.save(state, file)
+    err = one_line_error(load_checkpoint, path, "cpu")
+    assert err.file == file and fragment in err.problem, err.problem
+
+
+def test_resume_falls_back_past_a_bad_meta_and_a_planted_pickle(tmp_path):
+    """
+    Checkpoints 1, 2, 3 of a run: step 3's meta.json lacks "config", step 2's optim.pt is a planted pickle.
+    resume_checkpoint warns once per skipped checkpoint, one line each naming its bad file, and resumes from step 1;
+    the marker file is never created. The old code resumed from step 3 and failed in check_resume with
+    KeyError: 'config'.
+    """
+    from nanotrain.checkpoint import resume_checkpoint
+    model, opts = setup()
+    for step in (1, 2, 3):
+        save_checkpoint(str(tmp_path), step, model, opts, resume_meta(), {"loader": {"step": step}})
+    meta_file = tmp_path / "checkpoints" / "step_000003" / "meta.json"
+    meta = json.load(open(meta_file))
+    del meta["config"]
+    json.dump(meta, open(meta_file, "w"))
+    torch.save(Planted(tmp_path / "marker"), tmp_path / "checkpoints" / "step_000002" / "optim.pt")
+    with pytest.warns(UserWarning) as record:
+        ck = resume_checkpoint(str(tmp_path), "cpu")
+    assert ck["meta"]["step"] == 1 and ck["rank_state"]["loader"] == {"step": 1}
+    messages = [str(w.message) for w in record if "skipping unreadable checkpoint" in str(w.message)]
+    assert len(messages) == 2 and all("\n" not in m for m in messages), messages
+    assert "step_000003/meta.json lacks the key 'config'" in messages[0]
+    assert "step_000002/optim.pt is not a plain tensor file" in messages[1]
+    assert not (tmp_path / "marker").exists()
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl on resume
+# (MetricsLog lives in nanotrain/training.py; it is here because it is what a resume reads besides the checkpoint)
+
+@pytest.mark.parametrize("bad", ['[{"step": 1, "loss": 1.0}]', '{"loss": 2.0, "dt": 0.1}', '{"step": "2", "dt": 1}',
+                                 '{"step": 2.0, "dt": 0.1}', '"step"', "3", "null", '{"step": true, "dt": 1}'])
+def test_metrics_rows_that_are_not_objects_with_an_int_step_are_dropped_with_one_warning(tmp_path, capsys, bad):
+    """
+    On resume, a metrics.jsonl line that is a JSON list, lacks "step", or whose step is not an int (a str, a
+    float, a bool) is dropped, moved to metrics.jsonl.dropped, and one `warning:` line on stderr names the file and
+    the count; the good rows are kept as before and the run goes on. The old code raised TypeError (a list) or
+    KeyError: 'step'. Dropping, not refusing: the checkpoint the resume needs is intact, the log is only its record.
+    """
+    from nanotrain.training import MetricsLog
+    good = [{"step": 1, "loss": 5.0, "dt": 0.1}, {"step": 2, "loss": 4.0, "dt": 0.1}, {"step": 3, "loss": 3.0}]
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps(good[0]), bad, json.dumps(good[1]), bad, json.dumps(good[2])]
+    path.write_text("\n".join(lines) + '\n{"step": 4, "lo')  # and the torn line of a killed run
+    log = MetricsLog(str(tmp_path), resume_step=2)
+    log.log(step=3, loss=2.5, dt=0.1)
+    log.close()
+    assert [json.loads(ln) for ln in path.read_text().splitlines()] == good[:2] + [{"step": 3, "loss": 2.5, "dt": 0.1}]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: {path}: dropped 3 of its 6 rows"), err
+    assert (tmp_path / "metrics.jsonl.dropped").read_text() == f"{bad}\n{bad}\n" + '{"step": 4, "lo\n'
+
+
+def test_metrics_rows_all_good_give_no_warning_and_a_last_row_without_newline_stays_a_row(tmp_path, capsys):
+    """A clean log is resumed silently; a last complete row without its newline does not merge with the next row."""
+    from nanotrain.training import MetricsLog
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0, "dt": 0.1}\n{"step": 2, "loss": 4.0, "dt": 0.1}')
+    log = MetricsLog(str(tmp_path), resume_step=3)
+    log.log(step=3, loss=3.0, dt=0.1)
+    log.close()
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2, 3]
+    assert capsys.readouterr().err == "" and not (tmp_path / "metrics.jsonl.dropped").exists()

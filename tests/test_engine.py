@@ -141,3 +141,97 @@ def test_errors(tok):
         engine.generate([[1] * 300], 30)
     with pytest.raises(UserError, match="temperature"):
         list(engine.generate_stream([1], 5, temperature=-1.0))
+
+
+# ----------------------------------------------------------------------------- load_model on damaged checkpoints
+
+class Planted:
+    """Unpickling it with weights_only=False would create the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture
+def run(tok, tmp_path, monkeypatch):
+    """A base dir with `tok` as its tokenizer and a base run "r" with checkpoints 1, 2, 3 of random_model(tok)."""
+    from nanotrain.checkpoint import save_checkpoint
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    tok.save(str(tmp_path / "tokenizer"))
+    models = {}
+    for step in (1, 2, 3):
+        models[step] = random_model(tok, seed=step, n_layer=1)
+        save_checkpoint(str(tmp_path / "base" / "r"), step, models[step], [],
+                        {"config": {}, "model_config": vars(models[step].config),
+                         "tokenizer_sha256": tok.fingerprint()}, {})
+    return tmp_path / "base" / "r" / "checkpoints", models
+
+
+def truncate(file):
+    with open(file, "r+b") as f:
+        f.truncate(f.seek(0, 2) // 2)
+
+
+@pytest.mark.unit
+def test_load_model_falls_back_to_the_newest_readable_checkpoint(run, tmp_path, capsys):
+    """
+    Without a step, load_model skips the newest checkpoints that cannot be used (step 3's model.pt truncated, step
+    2's a planted pickle) and loads step 1, printing one `warning:` line on stderr that names both bad files and the
+    checkpoint loaded; the marker is never created. The old code raised torch's zip-reader RuntimeError.
+    """
+    from nanotrain.engine import load_model
+    ckpts, models = run
+    truncate(ckpts / "step_000003" / "model.pt")
+    torch.save(Planted(tmp_path / "marker"), ckpts / "step_000002" / "model.pt")
+    model, _, path, meta = load_model("base", "r")
+    assert path == str(ckpts / "step_000001") and meta["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), models[1].state_dict().values()))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: loaded the older checkpoint {ckpts / 'step_000001'}: "), err
+    assert "step_000003/model.pt is truncated or not a torch.save file" in err[0], err
+    assert "step_000002/model.pt is not a plain tensor file (it holds arbitrary Python objects)" in err[0], err
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.unit
+def test_load_model_refuses_in_one_line_when_nothing_or_the_requested_step_is_unreadable(run, tmp_path, capsys):
+    """
+    An unreadable checkpoint asked for by step is an error naming it even when another one is readable (never a
+    silent substitute); with every checkpoint unreadable the error names the newest's bad file and counts the rest.
+    Covered: a meta.json without "model_config" (the old code: KeyError: 'model_config'), model.pt saved as an empty
+    dict (the old code: load_state_dict's missing-keys RuntimeError), a planted pickle (torch's advice in several
+    paragraphs), random bytes. Each is one UserError line without a traceback's worth of text, and nothing is
+    printed.
+    """
+    import json
+
+    from nanotrain.engine import load_model
+    ckpts, _ = run
+    meta_file = ckpts / "step_000002" / "meta.json"
+    meta = json.load(open(meta_file))
+    del meta["model_config"]
+    json.dump(meta, open(meta_file, "w"))
+    torch.save({}, ckpts / "step_000003" / "model.pt")
+
+    def error(**kwargs):
+        with pytest.raises(UserError) as info:
+            load_model("base", "r", **kwargs)
+        assert "\n" not in str(info.value) and "weights_only" not in str(info.value), str(info.value)
+        return str(info.value)
+    assert error(step=2) == (f"cannot read the checkpoint {ckpts / 'step_000002'}: meta.json lacks the key "
+                             f"'model_config'")
+    assert error(step=3) == (f"cannot read the checkpoint {ckpts / 'step_000003'}: model.pt holds an empty dict, "
+                             f"not the model's weights (a state dict of tensors)")
+    torch.save(Planted(tmp_path / "marker"), ckpts / "step_000001" / "model.pt")
+    assert error(step=1).startswith(f"cannot read the checkpoint {ckpts / 'step_000001'}: model.pt is not a plain "
+                                    f"tensor file (it holds arbitrary Python objects); refusing to load it")
+    assert error() == (f"cannot read the checkpoint {ckpts / 'step_000003'}: model.pt holds an empty dict, not the "
+                       f"model's weights (a state dict of tensors) (and the 2 older checkpoints cannot be read either)")
+    with open(ckpts / "step_000003" / "model.pt", "wb") as f:
+        f.write(bytes(range(256)) * 8)
+    assert "model.pt is truncated or not a torch.save file" in error(step=3)
+    assert capsys.readouterr().err == "" and not (tmp_path / "marker").exists()
