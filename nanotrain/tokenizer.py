@@ -249,6 +249,26 @@ class Tokenizer:
         return torch.from_numpy(out)
 
 
+PATTERN_PROBE = "Hello, world! It's 2024.\n\n  naïve café 日本語 x=12345; ok?\r\n\tend  "
+
+
+def _check_pattern(pattern):
+    """
+    Raises ValueError if the split pattern is empty or matches the empty string (at the start or anywhere in a probe
+    text): tiktoken accepts such a pattern and then panics (a Rust traceback) at the first encode. A pattern the
+    `regex` module cannot compile is left to tiktoken, which reports it as a ValueError.
+    """
+    import regex  # tiktoken's own dependency, with the same \p{...} classes and possessive quantifiers
+    if not pattern:
+        raise ValueError("'pattern' (the split regex) is empty")
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error:
+        return
+    if compiled.match("") is not None or any(m.end() == m.start() for m in compiled.finditer(PATTERN_PROBE)):
+        raise ValueError(f"'pattern' {pattern[:80]!r} matches the empty string; tiktoken cannot split text with it")
+
+
 def _validate(data):
     """Checks a loaded tokenizer.json; returns (mergeable_ranks dict, pattern). Raises ValueError with the reason."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -259,6 +279,7 @@ def _validate(data):
     pattern, entries = data["pattern"], data["mergeable_ranks"]
     if not isinstance(pattern, str) or not isinstance(entries, list):
         raise ValueError("'pattern' must be a string and 'mergeable_ranks' a list")
+    _check_pattern(pattern)
     ranks = {}
     for i, entry in enumerate(entries):
         if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and entry[1] == i

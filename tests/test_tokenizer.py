@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from nanotrain.common import UserError
-from nanotrain.tokenizer import SPECIAL_TOKENS, Tokenizer, get_token_bytes, get_tokenizer, get_tokenizer_dir
+from nanotrain.tokenizer import (
+    SPECIAL_TOKENS,
+    TRAIN_HINT,
+    Tokenizer,
+    get_token_bytes,
+    get_tokenizer,
+    get_tokenizer_dir,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,6 +193,8 @@ def _corruptions(data):
         ("special ids", edit(lambda d: d["special_tokens"].update({"<|bos|>": 0}))),
         ("vocab size", edit(lambda d: d.update(vocab_size=d["vocab_size"] + 1))),
         ("bad pattern", edit(lambda d: d.update(pattern="(unclosed"))),
+        ("empty pattern", edit(lambda d: d.update(pattern=""))),
+        ("pattern matching the empty string", edit(lambda d: d.update(pattern=r"\p{L}+|\s*"))),
     ]
 
 
@@ -206,6 +215,28 @@ def test_corrupt_tokenizer_is_a_user_error(tok):
     np.save(os.path.join(d, "token_bytes.npy"), np.zeros(7, dtype=np.int32))
     with pytest.raises(UserError, match=r"token_bytes\.npy.*tok_train\.py"):
         get_token_bytes("cpu")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("pattern, reason", [
+    ("", "'pattern' (the split regex) is empty"),
+    (r"a*|\s+", r"'pattern' 'a*|\\s+' matches the empty string; tiktoken cannot split text with it"),
+])
+def test_a_split_pattern_that_matches_nothing_is_one_line_naming_the_file(tok, pattern, reason):
+    """
+    A tokenizer.json whose split pattern is empty, or matches the empty string: one UserError line naming the file
+    and the pattern when it is loaded. tiktoken accepts such a pattern and panics at the first encode (the old code:
+    a Rust panic and its backtrace, pyo3_runtime.PanicException "range end index 2 out of range for slice").
+    """
+    d = get_tokenizer_dir()
+    tok.save(d)
+    path = os.path.join(d, "tokenizer.json")
+    data = json.load(open(path))
+    data["pattern"] = pattern
+    json.dump(data, open(path, "w"))
+    with pytest.raises(UserError) as e:
+        get_tokenizer().encode("hello world")
+    assert str(e.value) == f"corrupt tokenizer file {path} ({reason}); {TRAIN_HINT} again"
 
 
 @pytest.mark.unit
