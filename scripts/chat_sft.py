@@ -181,7 +181,8 @@ def main():
     if ckpt is None:
         if source_dir is None:
             source_dir, stage = find_source_dir()
-        src = load_latest(source_dir, device, rank, load_optimizer=False)
+        src = load_latest(source_dir, device, rank, load_optimizer=False,
+                          meta_keys=("model_config", "max_seq_len"))
         if src is None:
             raise UserError(f"{source_dir} has no readable checkpoint; train one first")
     start = ckpt if ckpt is not None else src

@@ -132,7 +132,8 @@ def main():
     ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     base = None
     if ckpt is None:
-        base = load_latest(base_dir, device, rank, load_optimizer=False)
+        base = load_latest(base_dir, device, rank, load_optimizer=False,
+                           meta_keys=("model_config", "max_seq_len", "total_batch_size", "device_batch_size"))
         if base is None:
             raise UserError(f"{base_dir} has no readable checkpoint; train one first (python scripts/base_train.py)")
     start = ckpt if ckpt is not None else base
