@@ -48,6 +48,7 @@ def test_trains_evaluates_saves_and_samples(base_dir):
     assert s.stdout.splitlines()[-1].startswith("The") or "\nThe" in s.stdout
 
 
+@pytest.mark.slow  # the default tier checks the same at four moments: test_robustness.py, test_sigterm_at_any_moment
 def test_resume_after_sigterm_continues_exactly(base_dir):
     """
     A run stopped by SIGTERM saves a checkpoint and exits 0; --resume=True continues at the next step and the
