@@ -212,16 +212,19 @@ def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
     the run starts fresh) when run_dir has no checkpoint at all. Raises UserError when checkpoints exist but none can
     be read on some rank: resuming would silently lose the run, so the user must choose (--resume=False starts over).
     """
-    paths = list_checkpoints(run_dir)
-    ckpt = load_latest(run_dir, device, rank, meta_keys=RESUME_META_KEYS)
+    paths, skipped = list_checkpoints(run_dir), []
+    ckpt = load_latest(run_dir, device, rank, meta_keys=RESUME_META_KEYS, skipped=skipped)
     step = ckpt["meta"]["step"] if ckpt is not None else -1
     agreed = int(all_reduce_scalar(step, "min", comm_device or device))
     if not paths:
         print0(f"--resume=True: {run_dir} has no checkpoint yet; starting fresh")
         return None
-    if agreed < 0:
-        raise UserError(f"--resume=True: none of the {len(paths)} checkpoints in {run_dir} can be read (see the "
-                        f"warnings above); run with --resume=False to start this run over from step 0")
+    if agreed < 0:  # one line: the newest checkpoint's problem (on a rank that read none, else the first rank's)
+        why = f" (newest: {skipped[0][1]})" if skipped else " on another rank"
+        raise UserError(f"--resume=True: none of the {len(paths)} checkpoints in {run_dir} can be read{why}; run "
+                        f"with --resume=False to start this run over from step 0")
+    for path, reason in skipped:
+        warnings.warn(f"skipping unreadable checkpoint {path}: {reason}")
     if agreed != step:  # another rank could not read this rank's newest: take the one every rank has
         path = next(p for p in paths if p.endswith(f"step_{agreed:06d}"))
         print0(f"--resume=True: resuming from {path}, the newest checkpoint every rank can read")
@@ -469,20 +472,24 @@ def load_checkpoint(path, device, rank=0, load_optimizer=True, meta_keys=()):
     return {"meta": meta, "model": model, "optim": optim, "rank_state": rank_state, "path": path}
 
 
-def load_latest(run_dir, device, rank=0, load_optimizer=True, meta_keys=()):
+def load_latest(run_dir, device, rank=0, load_optimizer=True, meta_keys=(), skipped=None):
     """
     The newest readable checkpoint of a run, as load_checkpoint() returns it, or None if there is none.
-    A partial or corrupt checkpoint is skipped with a warning (naming the file and what is wrong with it) and the
-    previous one is used.
+    A partial or corrupt checkpoint is skipped for the previous one: with a warning naming the file and what is
+    wrong with it, or, when `skipped` is a list, appended to it as (path, reason) instead.
     """
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return load_checkpoint(path, device, rank, load_optimizer, meta_keys)
         except CheckpointError as e:
-            warnings.warn(f"skipping unreadable checkpoint {path}: {e}")
+            reason = str(e)
         except Exception as e:  # anything else a damaged file can raise: fall back to the previous checkpoint
             first = str(e).splitlines()[0][:200] if str(e) else ""
-            warnings.warn(f"skipping unreadable checkpoint {path}: {type(e).__name__}: {first}")
+            reason = f"{type(e).__name__}: {first}"
+        if skipped is None:
+            warnings.warn(f"skipping unreadable checkpoint {path}: {reason}")
+        else:
+            skipped.append((path, reason))
     return None
 
 
