@@ -8,7 +8,6 @@ The loops themselves stay in the scripts, to be read top to bottom.
 import json
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 
@@ -175,15 +174,6 @@ def check_finite(value, step, run_dir, what="loss"):
                         f"in {run_dir}/checkpoints is intact; try a lower lr)")
 
 
-def _metrics_row(line):
-    """The row of one metrics.jsonl line: a JSON object with an int "step", else None."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return row if isinstance(row, dict) and type(row.get("step")) is int else None
-
-
 class MetricsLog:
     """
     metrics.jsonl in the run directory, one JSON object per line, written by rank 0. A fresh run starts it empty; a
@@ -192,12 +182,10 @@ class MetricsLog:
     step again (the saving run may or may not have: a regular save comes before the evaluation, a stop request
     saves and leaves before it), so every evaluation appears exactly once.
 
-    On resume, a line that is not a JSON object with an int "step" (the torn last line of a killed run, a file
-    rewritten as one JSON list, rows of another tool) cannot be placed before or after the resume step: it is
-    dropped, moved to metrics.jsonl.dropped (appended, so nothing is lost), and one `warning:` line on stderr names
-    the file and counts the rows. The run goes on rather than refusing: the checkpoint is what the resume needs and
-    it is intact; metrics.jsonl is a record of it, and refusing would leave the user to repair a log by hand (or to
-    --resume=False, losing the run) for rows the run does not need.
+    On resume, an unparseable last line is the torn row of a killed run and is dropped. Any other line that is not a
+    JSON object with an int "step" (a file rewritten as one JSON list, rows of another tool) cannot be placed before
+    or after the resume step: the resume stops with UserError naming file:line, before anything is changed, so the
+    user decides what becomes of those rows (repair or remove them, then resume again).
     """
 
     def __init__(self, run_dir, resume_step=None, master=True):
@@ -210,17 +198,21 @@ class MetricsLog:
                 os.remove(self.path)
         elif os.path.exists(self.path):
             with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
-                lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if ln.strip()]
-            rows = [(ln, _metrics_row(ln)) for ln in lines]
-            dropped = [ln for ln, r in rows if r is None]
-            if dropped:
-                with open(self.path + ".dropped", "a", encoding="utf-8", errors="surrogateescape") as f:
-                    f.writelines(dropped)
-                print(f"warning: {self.path}: dropped {len(dropped)} of its {len(lines)} rows, not JSON objects with "
-                      f"an int \"step\" (kept in {self.path}.dropped); the resumed run goes on", file=sys.stderr,
-                      flush=True)
-            keep = [ln for ln, r in rows if r is not None and (r["step"] < resume_step or
-                                                                 (r["step"] == resume_step and "dt" in r))]
+                lines = [(n, ln if ln.endswith("\n") else ln + "\n") for n, ln in enumerate(f, 1) if ln.strip()]
+            keep = []
+            for i, (number, line) in enumerate(lines):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    if i == len(lines) - 1:  # the torn last row of a killed run
+                        continue
+                    row = None
+                if not (isinstance(row, dict) and type(row.get("step")) is int):
+                    raise UserError(f"{self.path}:{number}: expected a JSON object with an int \"step\", got "
+                                    f"{line.strip()[:60]!r}; nothing was changed: repair or remove that line, then "
+                                    f"resume again")
+                if row["step"] < resume_step or (row["step"] == resume_step and "dt" in row):
+                    keep.append(line)
             with open(self.path + ".tmp", "w", encoding="utf-8", errors="surrogateescape") as f:
                 f.writelines(keep)
             os.replace(self.path + ".tmp", self.path)
@@ -243,10 +235,11 @@ def open_run_log(run_dir, settings, resume_step, master):
     continues from, None for a fresh run).
     """
     print0(f"Run directory: {run_dir}")
+    metrics = MetricsLog(run_dir, resume_step, master)  # first: a metrics.jsonl it refuses leaves config.json as it was
     if master:
         print0("Config: " + json.dumps(settings, sort_keys=True))
         atomic_write_json(os.path.join(run_dir, "config.json"), settings)
-    return MetricsLog(run_dir, resume_step, master)
+    return metrics
 
 
 def finish_run(model, run_dir, stage, metrics, t_start, summary):

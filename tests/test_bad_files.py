@@ -116,16 +116,21 @@ def make_cases(base, root):
     cases["empty_state"] = (EXPORT[0], [*EXPORT[1], f"--run_name={run}", "--step=2"], base, 2, (
         f"cannot read the checkpoint {ckpt(base, run, 2)}: model.pt holds an empty dict, not the model's weights",))
 
-    # a resume: the newest checkpoint's meta.json lacks "config" (step 1 is fine), metrics.jsonl starts with a JSON
-    # list and holds a row without "step": the run resumes from step 1 with a warning for each, and goes on
+    # a resume: the newest checkpoint's meta.json lacks "config" (step 1 is fine): the run resumes from step 1 with
+    # a warning and goes on
     run = copy("resume")
     edit_meta(base, run, 2, "config")
-    metrics = base / "base" / run / "metrics.jsonl"
-    rows = metrics.read_text().splitlines()
-    metrics.write_text("\n".join([json.dumps([json.loads(r) for r in rows]), *rows, '{"loss": 1.0}']) + "\n")
     cases["resume"] = ("base_train.py", [*TINY_TRAIN, "--num_iterations=3", "--save_every=1", f"--run_name={run}",
                                          "--resume=True"], base, 0, (f"{ckpt(base, run, 2)}/meta.json lacks the key "
-                                                                     f"'config'", f"warning: {metrics}: dropped 2 of "))
+                                                                     f"'config'",))
+    # a resume whose metrics.jsonl starts with a JSON list: one error line naming metrics.jsonl:1, nothing changed
+    run = copy("metrics_list")
+    metrics = base / "base" / run / "metrics.jsonl"
+    rows = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([json.dumps([json.loads(r) for r in rows]), *rows]) + "\n")
+    cases["metrics_list"] = ("base_train.py", [*TINY_TRAIN, "--num_iterations=3", f"--run_name={run}",
+                                               "--resume=True"], base, 2,
+                             (f"{metrics}:1: expected a JSON object with an int \"step\"",))
 
     tok = root / "tok_base"  # a base dir whose tokenizer has an empty split pattern (the runs are the good ones)
     tok.mkdir()
@@ -167,17 +172,19 @@ def stderr_lines(r):
 
 REFUSED = ["truncated-chat_cli.py", "truncated-export.py", "garbage-sample.py", "garbage-chat_eval.py",
            "pickle-chat_cli.py", "pickle-chat_eval.py", "pickle-sample.py", "pickle-export.py", "no_model_config",
-           "empty_state", "empty_pattern"]
+           "empty_state", "empty_pattern", "metrics_list"]
 
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_a_bad_file_is_one_error_line_naming_it(cli, case):
     """
     Exit 2 and exactly one stderr line: `error: ` + the expected text, which names the checkpoint and its bad file
-    (or the tokenizer file) and what is wrong; no traceback, no torch advice about weights_only. Findings 1-3 and 5:
+    (or the tokenizer file, or metrics.jsonl:line) and what is wrong; no traceback, no torch advice about
+    weights_only. Findings 1-5:
     the old code gave torch's zip-reader traceback (truncated, garbage; export.py wrapped it in its own line), torch's
     multi-paragraph UnpicklingError (pickle), KeyError: 'model_config', load_state_dict's missing-keys traceback
-    (empty state dict) and a Rust panic with its backtrace (empty split pattern).
+    (empty state dict), a Rust panic with its backtrace (empty split pattern) and TypeError: list indices must be
+    integers (metrics.jsonl rewritten as a JSON list).
     """
     script, _, _, code, texts = cli["cases"][case]
     r = cli["results"][case]
@@ -211,13 +218,11 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_older_one_and_says_so
     assert r.stdout.startswith("The capital of France is"), r.stdout  # the default prompt, then the completion
 
 
-def test_a_resume_skips_a_meta_without_config_and_drops_metrics_rows_without_step(cli):
+def test_a_resume_skips_a_meta_without_config(cli):
     """
-    base_train --resume=True on a run whose newest checkpoint's meta.json lacks "config" and whose metrics.jsonl
-    starts with a JSON list and holds a row without "step": it resumes from step 1 with a warning naming that
-    meta.json, drops the two bad rows with one warning line naming metrics.jsonl (they are kept in
-    metrics.jsonl.dropped), trains steps 2 and 3, and metrics.jsonl then holds each step once. The old code stopped
-    with KeyError: 'config' (and, on the metrics, with TypeError: list indices must be integers).
+    base_train --resume=True on a run whose newest checkpoint's meta.json lacks "config": it resumes from step 1
+    with a warning naming that meta.json, trains steps 2 and 3, and metrics.jsonl then holds each step once. The old
+    code stopped with KeyError: 'config'.
     """
     _, _, _, _, texts = cli["cases"]["resume"]
     r = cli["results"]["resume"]
@@ -227,4 +232,3 @@ def test_a_resume_skips_a_meta_without_config_and_drops_metrics_rows_without_ste
     run_dir = cli["base"] / "base" / "resume"
     rows = [json.loads(ln) for ln in open(run_dir / "metrics.jsonl")]
     assert sorted(row["step"] for row in rows if "dt" in row) == [1, 2, 3], rows
-    assert len(open(run_dir / "metrics.jsonl.dropped").read().splitlines()) == 2

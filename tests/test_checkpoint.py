@@ -446,26 +446,28 @@ def test_resume_falls_back_past_a_bad_meta_and_a_planted_pickle(tmp_path):
 # (MetricsLog lives in nanotrain/training.py; it is here because it is what a resume reads besides the checkpoint)
 
 @pytest.mark.parametrize("bad", ['[{"step": 1, "loss": 1.0}]', '{"loss": 2.0, "dt": 0.1}', '{"step": "2", "dt": 1}',
-                                 '{"step": 2.0, "dt": 0.1}', '"step"', "3", "null", '{"step": true, "dt": 1}'])
-def test_metrics_rows_that_are_not_objects_with_an_int_step_are_dropped_with_one_warning(tmp_path, capsys, bad):
+                                 '{"step": 2.0, "dt": 0.1}', '"step"', "3", "null", '{"step": true, "dt": 1}',
+                                 '{"step": 2, "lo'])
+def test_metrics_rows_that_are_not_objects_with_an_int_step_stop_the_resume_in_one_line(tmp_path, bad):
     """
-    On resume, a metrics.jsonl line that is a JSON list, lacks "step", or whose step is not an int (a str, a
-    float, a bool) is dropped, moved to metrics.jsonl.dropped, and one `warning:` line on stderr names the file and
-    the count; the good rows are kept as before and the run goes on. The old code raised TypeError (a list) or
-    KeyError: 'step'. Dropping, not refusing: the checkpoint the resume needs is intact, the log is only its record.
+    On resume, a metrics.jsonl line that is a JSON list, lacks "step", has a step that is not an int (a str, a
+    float, a bool), or is torn in the middle of the file stops the resume with one UserError line naming file:line,
+    and the file is left byte for byte as it was. A torn LAST line (a killed run's) is still dropped silently. The
+    old code raised TypeError (a list) or KeyError: 'step'.
     """
+    from nanotrain.common import UserError
     from nanotrain.training import MetricsLog
     good = [{"step": 1, "loss": 5.0, "dt": 0.1}, {"step": 2, "loss": 4.0, "dt": 0.1}, {"step": 3, "loss": 3.0}]
     path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps(good[0]), bad, json.dumps(good[1]), bad, json.dumps(good[2])]
-    path.write_text("\n".join(lines) + '\n{"step": 4, "lo')  # and the torn line of a killed run
+    text = "\n".join([json.dumps(good[0]), json.dumps(good[1]), bad, json.dumps(good[2])]) + "\n"
+    path.write_text(text)
+    with pytest.raises(UserError, match=f"{path}:3: expected a JSON object with an int \"step\"") as info:
+        MetricsLog(str(tmp_path), resume_step=2)
+    assert "\n" not in str(info.value) and path.read_text() == text
+    path.write_text("\n".join(json.dumps(r) for r in good) + '\n{"step": 4, "lo')  # a killed run's torn last row
     log = MetricsLog(str(tmp_path), resume_step=2)
-    log.log(step=3, loss=2.5, dt=0.1)
     log.close()
-    assert [json.loads(ln) for ln in path.read_text().splitlines()] == good[:2] + [{"step": 3, "loss": 2.5, "dt": 0.1}]
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"warning: {path}: dropped 3 of its 6 rows"), err
-    assert (tmp_path / "metrics.jsonl.dropped").read_text() == f"{bad}\n{bad}\n" + '{"step": 4, "lo\n'
+    assert [json.loads(ln) for ln in path.read_text().splitlines()] == good[:2]
 
 
 def test_metrics_rows_all_good_give_no_warning_and_a_last_row_without_newline_stays_a_row(tmp_path, capsys):
@@ -477,4 +479,4 @@ def test_metrics_rows_all_good_give_no_warning_and_a_last_row_without_newline_st
     log.log(step=3, loss=3.0, dt=0.1)
     log.close()
     assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [1, 2, 3]
-    assert capsys.readouterr().err == "" and not (tmp_path / "metrics.jsonl.dropped").exists()
+    assert capsys.readouterr().err == ""
