@@ -1,7 +1,7 @@
 """
-The small pieces of a training loop that every stage (base_train, mid_train, chat_sft) shares: precision set-up,
-the lr schedule, the optimizer step, stop signals, the metrics log, and the replica check under DDP. Models sharded
-with FSDP2 (nanotrain.fsdp) go through the same functions.
+The small pieces of a training loop that every stage (base_train, mid_train, chat_sft) shares: precision set-up, the
+lr schedule, the optimizer step, the metrics log, and the replica check under DDP (stop signals: nanotrain.stop).
+Models sharded with FSDP2 (nanotrain.fsdp) go through the same functions.
 The loops themselves stay in the scripts, to be read top to bottom.
 """
 
