@@ -220,11 +220,11 @@ def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
         print0(f"--resume=True: {run_dir} has no checkpoint yet; starting fresh")
         return None
     if agreed < 0:  # one line: the newest checkpoint's problem (on a rank that read none, else the first rank's)
-        why = f" (newest: {skipped[0][1]})" if skipped else " on another rank"
+        why = f" (newest: {skip_reason(skipped[0][1])})" if skipped else " on another rank"
         raise UserError(f"--resume=True: none of the {len(paths)} checkpoints in {run_dir} can be read{why}; run "
                         f"with --resume=False to start this run over from step 0")
-    for path, reason in skipped:
-        warnings.warn(f"skipping unreadable checkpoint {path}: {reason}")
+    for path, exc in skipped:
+        warnings.warn(f"skipping unreadable checkpoint {path}: {skip_reason(exc)}")
     if agreed != step:  # another rank could not read this rank's newest: take the one every rank has
         path = next(p for p in paths if p.endswith(f"step_{agreed:06d}"))
         print0(f"--resume=True: resuming from {path}, the newest checkpoint every rank can read")
@@ -472,24 +472,30 @@ def load_checkpoint(path, device, rank=0, load_optimizer=True, meta_keys=()):
     return {"meta": meta, "model": model, "optim": optim, "rank_state": rank_state, "path": path}
 
 
+def skip_reason(exc):
+    """One line for why a checkpoint was skipped: a CheckpointError's "<file> <problem>", else the exception's type
+    and the first line of its message."""
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"
+
+
 def load_latest(run_dir, device, rank=0, load_optimizer=True, meta_keys=(), skipped=None):
     """
     The newest readable checkpoint of a run, as load_checkpoint() returns it, or None if there is none.
     A partial or corrupt checkpoint is skipped for the previous one: with a warning naming the file and what is
-    wrong with it, or, when `skipped` is a list, appended to it as (path, reason) instead.
+    wrong with it (skip_reason), or, when `skipped` is a list, appended to it as (path, exception) instead, newest
+    first, for the caller to report.
     """
     for path in reversed(list_checkpoints(run_dir)):
         try:
             return load_checkpoint(path, device, rank, load_optimizer, meta_keys)
-        except CheckpointError as e:
-            reason = str(e)
-        except Exception as e:  # anything else a damaged file can raise: fall back to the previous checkpoint
-            first = str(e).splitlines()[0][:200] if str(e) else ""
-            reason = f"{type(e).__name__}: {first}"
-        if skipped is None:
-            warnings.warn(f"skipping unreadable checkpoint {path}: {reason}")
-        else:
-            skipped.append((path, reason))
+        except Exception as e:  # anything a damaged file can raise: fall back to the previous checkpoint
+            if skipped is None:
+                warnings.warn(f"skipping unreadable checkpoint {path}: {skip_reason(e)}")
+            else:
+                skipped.append((path, e))
     return None
 
 

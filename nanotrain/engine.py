@@ -14,7 +14,15 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from nanotrain.checkpoint import INFERENCE_META_KEYS, CheckpointError, find_run_dir, list_checkpoints, load_checkpoint
+from nanotrain.checkpoint import (
+    INFERENCE_META_KEYS,
+    CheckpointError,
+    find_run_dir,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    skip_reason,
+)
 from nanotrain.common import UserError
 from nanotrain.gpt import GPTConfig, KVCache, build_model
 from nanotrain.tokenizer import get_tokenizer
@@ -120,6 +128,12 @@ class Engine:
             yield column[0]
 
 
+def _what(exc, base):
+    """What is wrong with a skipped checkpoint, its file named relative to `base` (nanotrain.checkpoint.skip_reason
+    for an error other than a CheckpointError)."""
+    return f"{os.path.relpath(exc.file, base)} {exc.problem}" if isinstance(exc, CheckpointError) else skip_reason(exc)
+
+
 def load_model(stage, run_name="", step=-1, device="cpu"):
     """
     Loads a checkpoint of a training stage for inference, as scripts/sample.py does: the newest run of `stage`
@@ -144,26 +158,27 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
     if not paths:
         where = f" for --run_name={run_name}" if run_name else ""
         raise UserError(f"no {stage} checkpoint found{where}; train one first (python scripts/{script})")
-    if step >= 0:
-        paths = [p for p in paths if p.endswith(f"step_{step:06d}")]
-        if not paths:
+    if step >= 0:  # that checkpoint or an error, never another one
+        path = next((p for p in paths if p.endswith(f"step_{step:06d}")), None)
+        if path is None:
             raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
-    skipped = []  # (path, CheckpointError) of the newer checkpoints that cannot be used
-    for path in reversed(paths):
         try:
             ckpt = load_checkpoint(path, device, load_optimizer=False, meta_keys=INFERENCE_META_KEYS)
-            break
         except CheckpointError as e:
-            skipped.append((path, e))
-    else:
-        path, e = skipped[0]
-        n = len(skipped) - 1
-        older = f" (and the {n} older checkpoint{'s' if n > 1 else ''} cannot be read either)" if n else ""
-        raise UserError(f"cannot read the checkpoint {path}: {os.path.relpath(e.file, path)} {e.problem}{older}")
-    if skipped:
-        why = "; ".join(f"{os.path.relpath(e.file, os.path.dirname(p))} {e.problem}" for p, e in skipped)
-        print(f"warning: loaded the older checkpoint {path}: the newer one{'s' if len(skipped) > 1 else ''} cannot "
-              f"be read: {why}", file=sys.stderr, flush=True)
+            raise UserError(f"cannot read the checkpoint {path}: {_what(e, path)}") from None
+    else:  # the newest readable one, as a resume takes it
+        skipped = []  # (path, exception) of the newer checkpoints that cannot be used, newest first
+        ckpt = load_latest(run_dir, device, load_optimizer=False, meta_keys=INFERENCE_META_KEYS, skipped=skipped)
+        if ckpt is None:
+            path, e = skipped[0]
+            n = len(skipped) - 1
+            older = f" (and the {n} older checkpoint{'s' if n > 1 else ''} cannot be read either)" if n else ""
+            raise UserError(f"cannot read the checkpoint {path}: {_what(e, path)}{older}")
+        path = ckpt["path"]
+        if skipped:
+            why = "; ".join(_what(e, os.path.dirname(p)) for p, e in skipped)
+            print(f"warning: loaded the older checkpoint {path}: the newer one{'s' if len(skipped) > 1 else ''} "
+                  f"cannot be read: {why}", file=sys.stderr, flush=True)
     tokenizer = get_tokenizer()
     model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size(),
                         tokenizer_sha256=tokenizer.fingerprint())
