@@ -1,0 +1,174 @@
+"""
+Attention and its parts for nanotrain.gpt: parameter-free RMSNorm, rotary embeddings (Su et al. 2021, "RoFormer"),
+the layout of packed rows (segment_info), the KV cache used in generation, and attention() over the available
+backends (flash-attn 2 when installed on CUDA, else PyTorch SDPA).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenever it is absent
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+except ImportError:
+    flash_attn_func = flash_attn_varlen_func = None
+
+def norm(x):
+    """
+    Parameter-free RMSNorm over the last dimension (any shape, dtype preserved), computed in fp32 as F.rms_norm
+    does. For a bf16/fp16 x that needs a gradient, the backward keeps x itself and the fp32 1/rms (_RMSNorm), where
+    F.rms_norm's backward keeps an fp32 copy of x (twice the bytes; on CUDA autocast upcasts its input likewise).
+    """
+    if x.dtype == torch.float32 or not (torch.is_grad_enabled() and x.requires_grad):
+        return F.rms_norm(x, (x.size(-1),))
+    return _RMSNorm.apply(x)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """
+    y = x / sqrt(mean(x^2) + eps) in fp32, returned in x's dtype, eps = fp32 machine epsilon (F.rms_norm's default
+    for a bf16/fp16 input, computed in fp32): the same values as F.rms_norm. Saves x (its own dtype) and 1/rms
+    (fp32, one per row), the memory-efficient layout of Apex's FusedRMSNorm and Liger's RMSNorm; backward:
+    dx = r * (g - y * mean(g * y)) with r = 1/rms, y = x * r, all in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+        ctx.save_for_backward(x, r)
+        return (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, r = ctx.saved_tensors
+        y, g = x.float() * r, grad.float()
+        return (r * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def compute_dtype(x):
+    """The dtype a matmul on x runs in: autocast's for x's device type when autocast is on there, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def apply_rotary_emb(x, cos, sin):
+    """Rotates the two halves of the head dim. x: (B, T, H, D); cos, sin: (1 or B, T, 1, D/2). Same shape/dtype out."""
+    d = x.size(3) // 2
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=3)
+
+
+class Segments(NamedTuple):
+    """
+    The layout of packed rows, from segment_info(). positions: int64 (B, T), each token's position inside its own
+    segment (0 at a segment's first token). mask: bool (B, 1, T, T), True where query t may attend to key s (same
+    segment and s <= t), for SDPA; None on the flash-attn path. cu_seqlens: int32 (num_segments + 1,), the start
+    offsets of the segments in the flattened (B*T) tokens followed by B*T, for flash_attn_varlen_func; None on the
+    SDPA path. max_seqlen: the longest segment in tokens (int; 0 on the SDPA path).
+    """
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+
+
+def segment_info(doc_ids, varlen=False):
+    """
+    Segments of packed rows. doc_ids: int (B, T), the sequence id of every token; a segment is a run of equal
+    consecutive ids inside one row (so ids may repeat across rows, and only changes between neighbours matter).
+    varlen=True builds cu_seqlens/max_seqlen (flash-attn's variable-length kernel), else the SDPA boolean mask.
+    Returns Segments. E.g. one row with doc_ids [0, 0, 0, 1, 1] gives positions [0, 1, 2, 0, 1] and
+    cu_seqlens [0, 3, 5].
+    """
+    B, T = doc_ids.shape
+    device = doc_ids.device
+    start = torch.ones(B, T, dtype=torch.bool, device=device)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    ar = torch.arange(T, device=device).expand(B, T)
+    positions = ar - torch.where(start, ar, 0).cummax(dim=1).values
+    if varlen:
+        starts = start.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([starts, torch.tensor([B * T], device=device)]).to(torch.int32)
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
+        return Segments(positions, None, cu_seqlens, max_seqlen)
+    seg = start.cumsum(dim=1)  # segment number inside the row
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+    return Segments(positions, mask[:, None], None, 0)
+
+
+class KVCache:
+    """
+    Preallocated keys/values for generation. k_cache, v_cache: (n_layer, batch_size, n_kv_head, max_len, head_dim)
+    of `dtype` on `device`; `pos` is the number of tokens already stored. A forward with the cache inserts its T new
+    tokens at `pos` in every layer and `pos` advances by T after the last layer.
+    """
+
+    def __init__(self, batch_size, n_kv_head, head_dim, n_layer, max_len, device, dtype):
+        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
+
+    def reset(self):
+        """Forgets the stored tokens (the memory is reused)."""
+        self.pos = 0
+
+    def insert_kv(self, layer_idx, k, v):
+        """
+        Stores k, v (B, n_kv_head, T, head_dim) at positions pos..pos+T-1 of layer `layer_idx` and returns that layer's
+        keys and values for positions 0..pos+T-1, each (B, n_kv_head, pos+T, head_dim) in the cache dtype.
+        Raises ValueError when the cache would overflow max_len.
+        """
+        t0, t1 = self.pos, self.pos + k.size(2)
+        if t1 > self.max_len:
+            raise ValueError(f"KVCache overflow: {t1} tokens > max_len {self.max_len}")
+        self.k_cache[layer_idx, :, :, t0:t1] = k
+        self.v_cache[layer_idx, :, :, t0:t1] = v
+        if layer_idx == self.n_layer - 1:
+            self.pos = t1
+        return self.k_cache[layer_idx, :, :, :t1], self.v_cache[layer_idx, :, :, :t1]
+
+
+def attention(q, k, v, layer_idx, kv_cache=None, segments=None):
+    """
+    Causal attention of q (B, T, n_head, head_dim) over k, v (B, T, n_kv_head, head_dim) (GQA when n_kv_head <
+    n_head), on the first backend that fits:
+    - packed rows (segments with cu_seqlens): flash-attn's variable-length kernel over the B*T flattened tokens;
+    - plain causal rows on CUDA in bf16/fp16 with flash-attn installed: flash_attn_func;
+    - packed rows otherwise: SDPA with the block-diagonal causal boolean mask of `segments`;
+    - plain causal rows otherwise: SDPA is_causal;
+    - with a KVCache: k, v are stored at the cache position of layer `layer_idx`, then SDPA over the whole prefix
+      (prefill from position 0: causal; one decode token: no mask; a chunk at pos > 0: causal within the chunk).
+    Returns y (B, T, n_head, head_dim) in q's dtype.
+    """
+    B, T, n_head, head_dim = q.shape
+    if segments is not None and segments.cu_seqlens is not None:
+        cu, n = segments.cu_seqlens, segments.max_seqlen
+        y = flash_attn_varlen_func(q.reshape(B * T, n_head, head_dim), k.reshape(B * T, -1, head_dim),
+                                   v.reshape(B * T, -1, head_dim), cu, cu, n, n, causal=True)
+        return y.view(B, T, n_head, head_dim)
+    if (kv_cache is None and segments is None and flash_attn_func is not None and q.is_cuda
+            and q.dtype in (torch.bfloat16, torch.float16)):
+        return flash_attn_func(q, k, v, causal=True)  # (B, T, H, D) layout, GQA handled natively
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # SDPA's (B, H, T, D) layout
+    gqa = k.size(1) != n_head
+    if segments is not None:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, enable_gqa=gqa)
+    elif kv_cache is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        k, v = kv_cache.insert_kv(layer_idx, k, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        Tq, Tk = q.size(2), k.size(2)
+        if Tq == Tk:  # prefill from position 0: plain causal
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif Tq == 1:  # one decode token sees the whole prefix
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        else:  # a chunk at pos > 0: the prefix is visible, causal within the chunk
+            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return y.transpose(1, 2)
