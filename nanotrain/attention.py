@@ -112,10 +112,12 @@ class KVCache:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
+        self.prev_embedding = None  # (B, 1, model_dim): the last token's embedding, for GPT.smear
 
     def reset(self):
         """Forgets the stored tokens (the memory is reused)."""
         self.pos = 0
+        self.prev_embedding = None
 
     def insert_kv(self, layer_idx, k, v):
         """

@@ -56,7 +56,7 @@ try:  # POSIX (Linux, macOS); elsewhere runs are not locked
 except ImportError:
     fcntl = None
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the model gained value embeddings, smear, backout and x0/resid lambdas
 LOCK_FILE = ".lock"
 _held_locks = {}  # real path of a run directory -> the open lock file this process holds until it exits
 
@@ -380,6 +380,10 @@ def _check_meta(meta_file, meta, meta_keys):
     for key, least in (("step", 0), ("world_size", 1)):
         if type(meta[key]) is not int or meta[key] < least:
             raise CheckpointError(meta_file, f"has {key}={meta[key]!r}; expected an int >= {least}")
+    if meta.get("format", 1) != CHECKPOINT_FORMAT:
+        raise CheckpointError(meta_file, f"is checkpoint format {meta.get('format', 1)!r}, written by another version "
+                                         f"of nanotrain (this one reads format {CHECKPOINT_FORMAT}: format 1 predates "
+                                         f"the model's value embeddings, smear, backout and lambdas); train it again")
     name = os.path.basename(os.path.dirname(meta_file))
     if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != meta["step"]:
         raise CheckpointError(meta_file, f"has step={meta['step']} but is in the directory {name}")
@@ -394,7 +398,7 @@ def _check_meta(meta_file, meta, meta_keys):
         mc = meta["model_config"]
         if not (isinstance(mc, dict) and set(required) <= set(mc) <= fields
                 and all(type(mc[k]) is int and mc[k] >= 1 for k in required)):
-            raise CheckpointError(meta_file, f"has \"model_config\" {str(mc)[:200]}; expected an object of the "
+            raise CheckpointError(meta_file, f"has \"model_config\" {str(mc)[:400]}; expected an object of the "
                                              f"ints >= 1 {', '.join(required)}")
 
 

@@ -24,7 +24,7 @@ import nanotrain
 from nanotrain.common import UserError
 from nanotrain.gpt import GPT, GPTConfig, build_model
 
-FORMAT = "nanotrain-gpt"
+FORMAT = "nanotrain-gpt-2"  # 2: value embeddings, smear, backout, lambdas in the model
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's OptimizedModule, DistributedDataParallel
 
 

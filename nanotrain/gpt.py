@@ -35,8 +35,8 @@ from nanotrain.common import UserError
 from nanotrain.head_loss import linear_cross_entropy
 from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
 
-ROTARY_BASE = 10000
 SOFTCAP = 15.0
+GATE_CHANNELS = 12  # the value-embedding and smear gates read this many leading channels of their input
 
 
 @dataclass
@@ -47,12 +47,25 @@ class GPTConfig:
     n_head: int = 6  # query heads
     n_kv_head: int = 6  # key/value heads (GQA when < n_head)
     model_dim: int = 768
+    # architecture options; the defaults are the measured winners (README, "Ablations": each one on and off)
+    value_embeds: bool = True  # token-indexed tables added to V through a per-head gate, on alternating layers
+    smear: bool = False  # a gated share of the previous token's embedding added to each token's
+    backout: bool = False  # subtract a learned share of the middle layer's output before the head
+    x0_lambdas: bool = False  # before every block x <- resid_lambda * x + x0_lambda * x0 (x0: the embedding)
+    rotary_base: float = 10000.0  # base of the rotary frequencies
+    qk_scale: float = 1.0  # attention logits are qk_scale * q.k / sqrt(head_dim) (q, k RMS-normed)
 
 
-def config_from_depth(depth, vocab_size, max_seq_len):
+def has_value_embed(layer_idx, n_layer):
+    """Whether block `layer_idx` of `n_layer` gets a value embedding: every other block, the last one always."""
+    return layer_idx % 2 == (n_layer - 1) % 2
+
+
+def config_from_depth(depth, vocab_size, max_seq_len, **options):
     """
     nanochat's depth -> size rule: model_dim = 64 * depth, head_dim 128 where possible (n_head = ceil(model_dim/128),
-    reduced until it divides model_dim), n_kv_head = n_head. Returns a GPTConfig. Raises UserError if depth < 1.
+    reduced until it divides model_dim), n_kv_head = n_head. options: GPTConfig's architecture options (value_embeds,
+    smear, backout, x0_lambdas, rotary_base, qk_scale). Returns a GPTConfig. Raises UserError if depth < 1.
     """
     if depth < 1:
         raise UserError(f"--depth={depth}: expected an integer >= 1")
@@ -61,7 +74,7 @@ def config_from_depth(depth, vocab_size, max_seq_len):
     while model_dim % n_head != 0:
         n_head -= 1
     return GPTConfig(max_seq_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_head, model_dim=model_dim)
+                     n_kv_head=n_head, model_dim=model_dim, **options)
 
 
 def adamw_lr_scale(model_dim):
@@ -79,15 +92,23 @@ class CausalSelfAttention(nn.Module):
         self.c_k = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
+        self.qk_scale = config.qk_scale
+        # value embedding gate: one per kv head, from the block input's first channels
+        self.ve_gate = (nn.Linear(min(GATE_CHANNELS, d), self.n_kv_head, bias=False)
+                        if config.value_embeds and has_value_embed(layer_idx, config.n_layer) else None)
 
-    def forward(self, x, cos_sin, kv_cache=None, segments=None):
+    def forward(self, x, cos_sin, kv_cache=None, segments=None, ve=None):
         B, T, _ = x.size()
         x = x.to(compute_dtype(x))  # one copy for c_q, c_k and c_v to share (autocast would cast x for each)
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
+        if ve is not None:  # value embedding (ResFormer): v + 2 sigmoid(gate) * ve, a gate in (0, 2) per kv head
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :self.ve_gate.in_features]))  # (B, T, n_kv_head)
+            v = v + gate.unsqueeze(-1).to(v.dtype) * ve.view(B, T, self.n_kv_head, self.head_dim).to(v.dtype)
         q, k = apply_rotary_emb(q, *cos_sin), apply_rotary_emb(k, *cos_sin)
         q, k = norm(q).to(v.dtype), norm(k).to(v.dtype)  # QK norm (autocast may have upcast the norm)
+        q = q * self.qk_scale  # sharper attention: the logits' scale on top of 1/sqrt(head_dim)
         y = attention(q, k, v, self.layer_idx, kv_cache, segments)
         return self.c_proj(y.contiguous().view(B, T, -1))
 
@@ -133,8 +154,14 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos_sin, kv_cache=None, segments=None):
-        x = x + self.attn(norm(x), cos_sin, kv_cache, segments)
+    def forward(self, x, cos_sin, kv_cache=None, segments=None, ve=None, x0_mix=None):
+        """x: (B, T, model_dim); ve: the value embedding (B, T, kv_dim) or None; x0_mix: (resid_lambda, x0_lambda,
+        x0) or None, mixed as resid_lambda * x + x0_lambda * x0 first (inside the block, so activation checkpointing
+        keeps only the unmixed input)."""
+        if x0_mix is not None:
+            resid_lambda, x0_lambda, x0 = x0_mix
+            x = resid_lambda.to(x.dtype) * x + x0_lambda.to(x.dtype) * x0
+        x = x + self.attn(norm(x), cos_sin, kv_cache, segments, ve)
         return x + self.mlp(norm(x))
 
 
@@ -173,6 +200,15 @@ class GPT(nn.Module):
                                                                                                       c.model_dim)
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.n_layer)])
         self.lm_head = nn.Linear(c.model_dim, c.vocab_size, bias=False)
+        kv_dim = c.n_kv_head * self.head_dim
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(c.vocab_size, kv_dim, _weight=torch.empty(
+            c.vocab_size, kv_dim)) for i in range(c.n_layer) if c.value_embeds and has_value_embed(i, c.n_layer)})
+        # learned scalars (init_weights sets their values)
+        self.resid_lambdas = nn.Parameter(torch.ones(c.n_layer)) if c.x0_lambdas else None
+        self.x0_lambdas = nn.Parameter(torch.zeros(c.n_layer)) if c.x0_lambdas else None
+        self.smear_gate = nn.Linear(min(GATE_CHANNELS, c.model_dim), 1, bias=False) if c.smear else None
+        self.smear_lambda = nn.Parameter(torch.zeros(1)) if c.smear else None
+        self.backout_lambda = nn.Parameter(torch.zeros(1)) if c.backout else None
         self.rotary_len = 10 * c.max_seq_len  # so generation can run past max_seq_len
         # computed on the CPU and moved: rotary maths on the meta device would also import torch._dynamo
         cos, sin = (t.to(self.wte.weight.device) for t in self._rotary(device=torch.device("cpu")))
@@ -180,7 +216,7 @@ class GPT(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _rotary(self, device):
-        inv_freq = 1.0 / ROTARY_BASE ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / self.config.rotary_base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
                                          / self.head_dim)
         freqs = torch.outer(torch.arange(self.rotary_len, dtype=torch.float32, device=device), inv_freq)
         return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
@@ -194,39 +230,67 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self):
         """
-        nanochat v1 init, deterministic given torch's RNG state: wte ~ N(0, 1), lm_head ~ N(0, 0.001^2), c_q/c_k/c_v/
-        c_fc ~ U(-sqrt(3/model_dim), sqrt(3/model_dim)), both c_proj = 0. Also recomputes the rotary buffers.
+        Deterministic given torch's RNG state (nanochat's init): wte ~ N(0, 1), lm_head ~ N(0, 0.001^2), c_q/c_k/c_v
+        and the value embeddings ~ U(-b, b) with b = sqrt(3/model_dim), c_fc ~ U(-0.4 b, 0.4 b), both c_proj = 0; the
+        gates 0 (value-embedding gates start at 1, the smear share at 0), backout_lambda 0.2, resid_lambdas from 1.15
+        (first block) to 1.05 (last) and x0_lambdas from 0.20 to 0.05, linearly. Also recomputes the rotary buffers.
         """
         self.cos, self.sin = self._rotary(self.wte.weight.device)
         nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)
         nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
         bound = math.sqrt(3) / math.sqrt(self.config.model_dim)
         for block in self.blocks:
-            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v):
                 nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.uniform_(block.mlp.c_fc.weight, -0.4 * bound, 0.4 * bound)
             nn.init.zeros_(block.attn.c_proj.weight)
             nn.init.zeros_(block.mlp.c_proj.weight)
+            if block.attn.ve_gate is not None:
+                nn.init.zeros_(block.attn.ve_gate.weight)
+        for table in self.value_embeds.values():
+            nn.init.uniform_(table.weight, -bound, bound)
+        n = self.config.n_layer
+        if self.x0_lambdas is not None:
+            depth_frac = torch.arange(n, dtype=torch.float32) / max(n - 1, 1)  # 0 at the first block, 1 at the last
+            self.resid_lambdas.copy_(1.15 - 0.10 * depth_frac)
+            self.x0_lambdas.copy_(0.20 - 0.15 * depth_frac)
+        if self.smear_gate is not None:
+            nn.init.zeros_(self.smear_gate.weight)
+            nn.init.zeros_(self.smear_lambda)
+        if self.backout_lambda is not None:
+            nn.init.constant_(self.backout_lambda, 0.2)
 
     def num_params(self):
-        """Total number of parameters (int), embedding and lm_head included; works on the meta device."""
+        """Total number of parameters (int), embeddings and lm_head included; works on the meta device."""
         return sum(p.numel() for p in self.parameters())
+
+    def num_scaling_params(self):
+        """Parameters that size the training horizon (tokens per parameter): all but the value-embedding tables,
+        so that turning them on does not lengthen the run (int)."""
+        return self.num_params() - sum(p.numel() for p in self.value_embeds.parameters())
 
     def estimate_flops(self):
         """
         Training FLOPs per token (float), PaLM appendix B (Chowdhery et al. 2022) as in nanochat:
-        6 * (params - wte params) + 12 * n_layer * n_head * head_dim * max_seq_len (attention scores and values).
+        6 * (weights of every nn.Linear: the matmuls; embeddings are lookups and the lambdas elementwise)
+        + 12 * n_layer * n_head * head_dim * max_seq_len (attention scores and values).
         """
         c = self.config
-        return float(6 * (self.num_params() - self.wte.weight.numel())
-                     + 12 * c.n_layer * c.n_head * self.head_dim * c.max_seq_len)
+        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return float(6 * matmul_params + 12 * c.n_layer * c.n_head * self.head_dim * c.max_seq_len)
 
-    def setup_optimizers(self, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, weight_decay=0.0,
-                         adam_betas=(0.8, 0.95), ns_dtype=""):
+    def setup_optimizers(self, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5,
+                         weight_decay=0.0, adam_betas=(0.8, 0.95), ns_dtype="", muon_weight_decay=0.0,
+                         polar_express=True, muon_beta2=0.0):
         """
-        Returns [adamw, muon] as in nanochat v0/v1: torch AdamW (betas adam_betas, eps 1e-10; fused on CUDA, torch's
-        default elsewhere) for lm_head (unembedding_lr * s) and wte (embedding_lr * s) with s = adamw_lr_scale,
-        Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device, see
-        nanotrain.muon.ns_dtype_for) for all block matrices. Every param group gets "initial_lr" = its lr.
+        Returns [adamw, muon]. Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device,
+        see nanotrain.muon.ns_dtype_for; polar_express, NorMuon's beta2 muon_beta2 (0: off), cautious weight decay
+        muon_weight_decay) for the blocks' matrices (value-embedding gates included). torch AdamW
+        (eps 1e-10; fused on CUDA, torch's default elsewhere) for the rest, in groups, with s = adamw_lr_scale:
+        lm_head unembedding_lr * s; wte embedding_lr * s; value embeddings embedding_lr * s / 2 (these three with
+        betas adam_betas and weight_decay); resid_lambdas scalar_lr / 100; x0_lambdas scalar_lr with beta1 0.96;
+        the smear gate, smear_lambda and backout_lambda 0.4 * scalar_lr (the lambdas without weight decay). The group
+        structure follows nanochat (2026). Every param group gets "initial_lr" = its lr.
         Plain single-process optimizers: under DDP the gradients are averaged before step(). With ns_dtype "" the
         per-device choice is settled here, which on CPU under torch.distributed is a collective: every rank must call
         this (the scripts and the auto batch size probes all do). Raises UserError for an unknown ns_dtype.
@@ -234,20 +298,50 @@ class GPT(nn.Module):
         if ns_dtype and ns_dtype not in NS_DTYPES:
             raise UserError(f"--ns_dtype={ns_dtype!r}: expected 'float32', 'bfloat16' or '' (chosen per device)")
         matrix_params = list(self.blocks.parameters())
-        groups = [([self.lm_head.weight], unembedding_lr), ([self.wte.weight], embedding_lr)]
-        all_ids = [id(p) for p in matrix_params] + [id(p) for ps, _ in groups for p in ps]
+        s = adamw_lr_scale(self.config.model_dim)
+        b1, b2 = adam_betas
+        smear_backout = [p for p in (self.smear_gate and self.smear_gate.weight, self.smear_lambda,
+                                     self.backout_lambda) if p is not None]
+        groups = [  # (params, lr, betas, weight decay)
+            ([self.lm_head.weight], unembedding_lr * s, adam_betas, weight_decay),
+            ([self.wte.weight], embedding_lr * s, adam_betas, weight_decay),
+            (list(self.value_embeds.parameters()), embedding_lr * s / 2, adam_betas, weight_decay),
+            ([self.resid_lambdas] if self.resid_lambdas is not None else [], scalar_lr / 100, adam_betas, 0.0),
+            ([self.x0_lambdas] if self.x0_lambdas is not None else [], scalar_lr, (0.96, b2), 0.0),
+            (smear_backout, 0.4 * scalar_lr, adam_betas, 0.0),
+        ]
+        groups = [g for g in groups if g[0]]
+        all_ids = [id(p) for p in matrix_params] + [id(p) for g in groups for p in g[0]]
         assert len(all_ids) == len(set(all_ids)) and set(all_ids) == {id(p) for p in self.parameters()}
-        scale = adamw_lr_scale(self.config.model_dim)
         if not ns_dtype:  # settle the per-device choice now: on CPU under torch.distributed it is one collective
             ns_dtype_for(self.wte.weight.device)  # (every rank sets up its optimizers; none may decide mid-step)
         on_cuda = self.wte.weight.device.type == "cuda"
-        adamw = torch.optim.AdamW([dict(params=ps, lr=lr * scale) for ps, lr in groups], betas=adam_betas, eps=1e-10,
-                                  weight_decay=weight_decay, fused=True if on_cuda else None)
-        muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95, ns_dtype=ns_dtype)
+        adamw = torch.optim.AdamW([dict(params=ps, lr=lr, betas=betas, weight_decay=wd) for ps, lr, betas, wd in groups],
+                                  eps=1e-10, fused=True if on_cuda else None)
+        muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95, ns_dtype=ns_dtype, polar_express=polar_express,
+                    beta2=muon_beta2, weight_decay=muon_weight_decay)
         for opt in (adamw, muon):
             for group in opt.param_groups:
                 group["initial_lr"] = group["lr"]
         return [adamw, muon]
+
+    def smear(self, x, kv_cache=None, segments=None):
+        """
+        x_t + smear_lambda * sigmoid(smear_gate(x_t[:12])) * x_{t-1} for every token t of x (B, T, model_dim), the
+        normed embeddings: a cheap bigram-like feature (modded-nanogpt's and nanochat's "smear"). Nothing is added at
+        a row's first token, at the first token of a packed segment (segments), or at position 0 of a KV cache; a
+        decode step at position > 0 reads x_{t-1} from kv_cache.prev_embedding, and every call with a cache stores
+        its last token's x there, so cached generation equals the full forward. Returns a tensor like x.
+        """
+        prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)  # x_{t-1}; zero before the first token
+        if kv_cache is not None:
+            if kv_cache.pos > 0:
+                prev[:, :1] = kv_cache.prev_embedding
+            kv_cache.prev_embedding = x[:, -1:]
+        if segments is not None:  # no information crosses a packed segment's boundary
+            prev = prev * (segments.positions != 0).unsqueeze(-1).to(prev.dtype)
+        gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))  # (B, T, 1)
+        return x + gate.to(x.dtype) * prev
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", doc_ids=None, last_only=False):
         """
@@ -286,12 +380,24 @@ class GPT(nn.Module):
                 raise ValueError(f"a packed sequence exceeds the rotary table length {self.rotary_len}")
             cos_sin = self.cos[0, segments.positions], self.sin[0, segments.positions]  # (B, T, 1, D/2)
         x = norm(self.wte(idx))
+        if self.smear_gate is not None:
+            x = self.smear(x, kv_cache, segments)
+        x0 = x  # the embedding, mixed back in before every block (x0_lambdas)
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
-        for block in self.blocks:
+        backout_idx = self.config.n_layer // 2  # the middle block (the second of two middles)
+        for i, block in enumerate(self.blocks):
+            def run_block(x, i=i, block=block):  # the value-embedding lookup inside: recomputed, not kept, under AC
+                ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+                mix = (self.resid_lambdas[i], self.x0_lambdas[i], x0) if self.x0_lambdas is not None else None
+                return block(x, cos_sin, kv_cache, segments, ve, mix)
             if recompute:  # keep only the block's input; its inside is recomputed in backward
-                x = checkpoint(block, x, cos_sin, None, segments, use_reentrant=False, preserve_rng_state=False)
+                x = checkpoint(run_block, x, use_reentrant=False, preserve_rng_state=False)
             else:
-                x = block(x, cos_sin, kv_cache, segments)
+                x = run_block(x)
+            if i == backout_idx:
+                x_mid = x
+        if self.backout_lambda is not None:  # backout: take a learned share of the middle layer's output away
+            x = x - self.backout_lambda.to(x.dtype) * x_mid
         x = norm(x)
         if targets is not None:  # the head and its loss in chunks of tokens: no (B, T, vocab) logits are kept
             return linear_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.view(B * T), SOFTCAP,

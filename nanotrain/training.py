@@ -23,7 +23,7 @@ from nanotrain.common import (
     print0,
 )
 from nanotrain.fsdp import is_fsdp
-from nanotrain.muon import Muon
+from nanotrain.muon import Muon, ns_dtype_for
 from nanotrain.report import write_section
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -31,12 +31,15 @@ COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def precision(dtype, device):
     """
-    Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and float32 elsewhere. Parameters, gradients and
-    optimizer state stay fp32 in every case (autocast only lowers the matmuls). Returns (compute dtype, autocast
-    context): (torch.bfloat16, torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).
+    Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and on CPUs whose bf16 matmuls run at least 2x
+    the fp32 rate (AVX512-BF16 or AMX: nanotrain.muon.ns_dtype_for measures it once; under torch.distributed the ranks
+    agree, so every rank must call this), float32 elsewhere. Parameters, gradients and optimizer state stay fp32 in
+    every case (autocast only lowers the matmuls). Returns (compute dtype, autocast context): (torch.bfloat16,
+    torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).
     Raises UserError for anything but "", "bfloat16", "float32".
     """
-    name = dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    fast_bf16 = device.type == "cuda" or (device.type == "cpu" and ns_dtype_for(device) == torch.bfloat16)
+    name = dtype or ("bfloat16" if fast_bf16 else "float32")
     if name not in COMPUTE_DTYPES:
         raise UserError(f"--dtype={dtype!r}: expected 'bfloat16', 'float32' or '' (auto)")
     compute_dtype = COMPUTE_DTYPES[name]

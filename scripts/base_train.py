@@ -66,6 +66,12 @@ seed = 42  # seed of the weight initialisation
 # model
 depth = 20  # n_layer; model_dim = depth * 64, head dim 128 (fewer heads for small models)
 max_seq_len = 2048  # tokens per row (context length)
+value_embeds = True  # value embeddings: token-indexed tables added to V through a per-head gate, every other block
+smear = False  # add a gated share of the previous token's embedding to each token's
+backout = False  # subtract a learned share of the middle block's output before the head
+x0_lambdas = False  # learned per-block scalars mixing the embedding back in: x <- a_i * x + b_i * x0
+rotary_base = 10000.0  # base of the rotary position frequencies
+qk_scale = 1.0  # scale of the attention logits on top of 1/sqrt(head_dim)
 # batch
 device_batch_size = None  # rows per micro-batch per device; None: discovered (auto_batch_size) or 32
 total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-batches together
@@ -78,15 +84,19 @@ max_batch_size = None  # upper bound for discovered device_batch_size (None: no 
 num_iterations = None  # optimizer steps; None derives it from target_param_data_ratio
 target_param_data_ratio = 20  # tokens per parameter (Chinchilla) when num_iterations is None
 # optimizer
-matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
+matrix_lr = 0.03  # Muon lr of the transformer blocks' matrices
 embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
 unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
-weight_decay = 0.0  # AdamW weight decay
+scalar_lr = 0.5  # AdamW lr of the learned scalars (x0_lambdas; resid_lambdas get 1/100 of it, smear/backout 0.4)
+weight_decay = 0.0  # AdamW weight decay (embeddings, lm_head)
+muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: 0.4 * (512 / model_dim)**2
+polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
+muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
 grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
 warmup_ratio = 0.0  # fraction of the steps with a linear lr warmup
-warmdown_ratio = 0.2  # fraction of the steps at the end with a linear lr decay to final_lr_frac
-final_lr_frac = 0.0  # lr multiplier at the last step
+warmdown_ratio = 0.65  # fraction of the steps at the end with a linear lr decay to final_lr_frac
+final_lr_frac = 0.05  # lr multiplier at the last step
 # evaluation, sampling, checkpoints (-1 turns each off, except at the end of the run)
 eval_every = 250  # steps between validation bpb evaluations
 eval_tokens = 20 * 524288  # validation tokens per evaluation
@@ -95,15 +105,17 @@ save_every = 1000  # steps between checkpoints
 keep_last = 2  # checkpoints kept on disk (0 keeps all)
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
-dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
+dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
 activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
+                                          "muon_weight_decay": (float,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
-RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data")  # device_batch_size may change: same tokens
+RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "value_embeds", "smear", "backout", "x0_lambdas",
+               "rotary_base", "qk_scale")  # device_batch_size may change: same tokens
 SAMPLE_PROMPTS = ["The capital of France is", "A list in Python is", "The opposite of hot is", "def add(a, b):"]
 
 
@@ -111,7 +123,7 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
+    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
     use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     use_fsdp = fsdp and world_size > 1
     if fsdp and not use_fsdp:
@@ -122,7 +134,12 @@ def main():
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     token_bytes = get_token_bytes(device)
     vocab_size = tokenizer.get_vocab_size()
-    model_config = config_from_depth(depth, vocab_size, max_seq_len)
+    model_config = config_from_depth(depth, vocab_size, max_seq_len, value_embeds=value_embeds, smear=smear,
+                                     backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale)
+    # Muon's weight decay shrinks with the width squared (nanochat's sweeps: ~0.40 at model_dim 512, ~0.08 at 1280)
+    muon_wd = config["muon_weight_decay"]
+    if muon_wd is None:
+        muon_wd = 0.4 * (512 / model_config.model_dim) ** 2
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
     run_dir = get_run_dir("base", run_name or f"d{depth}")
@@ -137,8 +154,9 @@ def main():
             print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
     elif auto_batch_size:
         build = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, matrix_lr=matrix_lr,
-                            embedding_lr=embedding_lr, unembedding_lr=unembedding_lr, weight_decay=weight_decay,
-                            ns_dtype=ns_dtype)
+                            embedding_lr=embedding_lr, unembedding_lr=unembedding_lr, scalar_lr=scalar_lr,
+                            weight_decay=weight_decay, ns_dtype=ns_dtype, muon_weight_decay=muon_wd,
+                            polar_express=polar_express, muon_beta2=muon_beta2)
         record_path = os.path.join(run_dir, "auto_batch_size.json")
         device_batch_size, ab_record = discover_device_batch_size(
             build, max_seq_len=max_seq_len, vocab_size=vocab_size, total_batch_size=total_batch_size,
@@ -172,7 +190,9 @@ def main():
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(matrix_lr=matrix_lr, embedding_lr=embedding_lr,
-                                        unembedding_lr=unembedding_lr, weight_decay=weight_decay, ns_dtype=ns_dtype)
+                                        unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay,
+                                        ns_dtype=ns_dtype, muon_weight_decay=muon_wd,
+                                        polar_express=polar_express, muon_beta2=muon_beta2)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")
@@ -186,7 +206,7 @@ def main():
     if num_iterations is not None:
         total_steps = num_iterations
     else:
-        total_steps = max(1, int(target_param_data_ratio * num_params) // total_batch_size)
+        total_steps = max(1, int(target_param_data_ratio * model.num_scaling_params()) // total_batch_size)
 
     # data: each rank reads its own share of the documents; the loader's position is part of every checkpoint
     train_loader = TokenLoader(tokenizer, train_files, device_batch_size, max_seq_len, device, rank, world_size)
@@ -204,7 +224,8 @@ def main():
            f"compile {use_compile} | fsdp {use_fsdp}")
     print0(f"Model: depth {depth}, model_dim {model_config.model_dim}, n_head {model_config.n_head}, "
            f"vocab {vocab_size:,}, params {num_params:,}, FLOPs/token {flops_per_token:.3e}")
-    print0(f"AdamW lrs scaled by (model_dim/768)**-0.5 = {adamw_lr_scale(model_config.model_dim):.6f}")
+    print0(f"AdamW lrs scaled by (model_dim/768)**-0.5 = {adamw_lr_scale(model_config.model_dim):.6f}; Muon weight decay "
+           f"{muon_wd:.4f}")
     print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
     print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "

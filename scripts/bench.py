@@ -60,7 +60,7 @@ depth = 4  # n_layer; model_dim = depth * 64
 max_seq_len = 256  # tokens per row
 device_batch_size = 8  # rows per micro-batch
 total_batch_size = 4096  # tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len))
-dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
+dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
 activation_checkpointing = False  # recompute each block in backward (less memory, more compute), as base_train
 device_type = ""  # cuda | mps | cpu; "" autodetects

@@ -31,7 +31,7 @@ device_memory_gb = 2.0  # discovery budget in GiB (CPU/MPS; on CUDA an emulated 
 batch_size_margin = 0.85  # fraction of the budget the step may use
 steps = 2  # timed optimizer steps per setting
 device_type = ""  # cuda | mps | cpu; "" autodetects
-dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
+dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 seed = 0  # model init and data seed
 config = configure(globals())
 

@@ -86,6 +86,7 @@ init_lr_frac = 1.0  # multiplier of all the lrs below
 matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
 embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
 unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
+scalar_lr = 0.5  # AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
 weight_decay = 0.0  # AdamW weight decay
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
 grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
@@ -100,7 +101,7 @@ save_every = 500  # steps between checkpoints
 keep_last = 2  # checkpoints kept on disk (0 keeps all)
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
-dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA, float32 elsewhere
+dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
 activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
 config = configure(globals(), none_types={"num_iterations": (int,), "max_seq_len": (int,),
@@ -116,7 +117,7 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast on CUDA by default
+    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
     use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     tokenizer = get_tokenizer()
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
@@ -141,7 +142,8 @@ def main():
     total_batch_size = config["total_batch_size"] or start["meta"]["total_batch_size"]
     model_config = GPTConfig(**dict(start["meta"]["model_config"], max_seq_len=max_seq_len))
     opt_kwargs = dict(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
-                      unembedding_lr=unembedding_lr * init_lr_frac, weight_decay=weight_decay, ns_dtype=ns_dtype)
+                      unembedding_lr=unembedding_lr * init_lr_frac, scalar_lr=scalar_lr * init_lr_frac,
+                      weight_decay=weight_decay, ns_dtype=ns_dtype)
 
     # device batch size: given, discovered (before the model is built, so CUDA probes have the memory), or base's
     device_batch_size = config["device_batch_size"]

@@ -16,7 +16,8 @@ from nanotrain.auto_batch_size import discover_device_batch_size, gpt_builder
 from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
 from nanotrain.memory import GiB, measure_fake_peak
 
-TINY = GPTConfig(max_seq_len=32, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, model_dim=32)
+TINY = GPTConfig(max_seq_len=32, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, model_dim=32, smear=True, backout=True,
+                 x0_lambdas=True)  # every model option on
 
 
 def tiny_model(seed=0):
@@ -91,8 +92,7 @@ def test_same_loss_and_gradients(packed):
     model.blocks = torch.nn.ModuleList(blocks)
     g2 = {n.replace(".block.", "."): g for n, g in g2.items()}
     assert abs(loss2 - loss0) <= 1e-6 * abs(loss0)  # the loss alone cannot see it
-    assert max_rel_diff(g0, g2) > 1e-6
-    assert g2["wte.weight"].abs().max() == 0
+    assert max_rel_diff(g0, g2) > 1e-6  # (wte still gets a gradient through smear and the x0 lambdas)
 
 
 @pytest.mark.unit
@@ -160,14 +160,14 @@ def test_kv_cache_and_eval_are_not_checkpointed():
 def test_lower_peak_memory_same_batch():
     """
     The MemTracker peak of the training step (measure_fake_peak, the auto batch size probe: 2 micro-steps, optimizer
-    step, 1 micro-step) at depth 4, max_seq_len 256, device_batch_size 8 is at most 60% of the plain step's
-    (measured ~51% at vocab 512). Catches a flag that the builder ignores (the probes would measure the plain model)
+    step, 1 micro-step) at depth 4, max_seq_len 256, device_batch_size 8 is at most 65% of the plain step's
+    (measured ~60% at vocab 512; 55% without value embeddings, smear, backout and lambdas). Catches a flag that the builder ignores (the probes would measure the plain model)
     and checkpointing that still saves the blocks' inner activations (e.g. checkpoint only around the attention).
     """
     config = config_from_depth(4, 512, 256)
     peaks = {ac: measure_fake_peak(gpt_builder(config, activation_checkpointing=ac), 8, max_seq_len=256,
                                    vocab_size=512) for ac in (False, True)}
-    assert peaks[True] <= 0.6 * peaks[False], peaks
+    assert peaks[True] <= 0.65 * peaks[False], peaks
 
 
 @pytest.mark.unit

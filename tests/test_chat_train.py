@@ -17,9 +17,11 @@ from conftest import REPO, TINY_TRAIN, run_script
 pytestmark = pytest.mark.smoke
 
 TASKS = "arith:0.3,spell:0.3,identity:0.5"  # ~2,000 training conversations: quick to load
-MID = ["--max_seq_len=128", "--eval_tokens=1024", "--keep_last=0", f"--tasks={TASKS}"]
-SFT = ["--examples_per_step=8", "--max_tokens_per_device=256", "--eval_examples=32", "--keep_last=0",
-       "--init_lr_frac=0.5", f"--tasks={TASKS}"]
+# fp32 (the CPU default is bf16 where its matmuls are fast): the reloaded model is evaluated in fp32 and compared at 1e-5
+MID = ["--max_seq_len=128", "--eval_tokens=1024", "--keep_last=0", f"--tasks={TASKS}",
+       "--dtype=float32"]
+SFT = ["--dtype=float32", "--examples_per_step=8", "--max_tokens_per_device=256", "--eval_examples=32",
+       "--keep_last=0", "--init_lr_frac=0.5", f"--tasks={TASKS}"]
 GOOD = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]}
 
 

@@ -29,7 +29,8 @@ def free_port():
 
 def make_model():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
+    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32, smear=True,
+                          backout=True, x0_lambdas=True))  # every model option on
     model.init_weights()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -18,7 +18,8 @@ from nanotrain.export import FORMAT, export_safetensors, load_safetensors
 from nanotrain.gpt import GPT, GPTConfig
 
 # n_kv_head == n_head: the attention matrices are square, so a transposed one would load without a shape error
-TINY = GPTConfig(max_seq_len=16, vocab_size=96, n_layer=2, n_head=2, n_kv_head=2, model_dim=32)
+TINY = GPTConfig(max_seq_len=16, vocab_size=96, n_layer=2, n_head=2, n_kv_head=2, model_dim=32, smear=True, backout=True,
+                 x0_lambdas=True)  # every model option on
 
 
 def trained_like_model(seed=0):

@@ -32,10 +32,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+# Muon with every option (NorMuon, cautious weight decay) and its Newton-Schulz in fp32: in bf16, updates that differ
+# by fp32 roundoff (FSDP's reduce-scatter sums in another order than DDP's all-reduce) may round differently and
+# drift apart by more than the 1e-5 compared here
+OPT = dict(ns_dtype="float32", muon_beta2=0.9, muon_weight_decay=0.1)
+
+
 def make_model():
     """The same tiny GPT on every rank and in every run (output projections perturbed so every gradient is > 0)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
+    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32, smear=True,
+                          backout=True, x0_lambdas=True))  # every model option on
     model.init_weights()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -73,12 +80,13 @@ def same(a, b):
     return a == b
 
 
-def local_only(update, steps=5, dtype=None):
+def local_only(update, steps=5, dtype=None, polar_express=False, then=None):
     """The wrong variant: Newton-Schulz on this rank's rows of the update only, without gathering the matrix."""
     from torch.distributed.tensor import DTensor
 
     from nanotrain.muon import zeropower_via_newtonschulz5
-    return DTensor.from_local(zeropower_via_newtonschulz5(update.to_local(), steps, dtype), update.device_mesh,
+    local = zeropower_via_newtonschulz5(update.to_local(), steps, dtype, polar_express)
+    return DTensor.from_local(then(local) if then is not None else local, update.device_mesh,
                               update.placements, shape=update.shape, stride=update.stride())
 
 
@@ -101,14 +109,14 @@ def worker(rank, port, out):
     # DDP reference, checkpoint after SAVE_AT steps
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opts = model.setup_optimizers()
+    opts = model.setup_optimizers(**OPT)
     res["ddp"] = train(model, ddp, opts, rank, range(SAVE_AT))
     save_checkpoint(out + "/ddp", SAVE_AT, model, opts, {}, {"rank": rank}, rank, WORLD)
     res["ddp"] += train(model, ddp, opts, rank, range(SAVE_AT, STEPS))
 
     # FSDP, same init and data; checkpoint after SAVE_AT steps
     model = fsdp_model()
-    opts = model.setup_optimizers()
+    opts = model.setup_optimizers(**OPT)
     res["fsdp"] = train(model, model, opts, rank, range(SAVE_AT))
     save_checkpoint(out + "/fsdp", SAVE_AT, model, opts, {}, {"rank": rank}, rank, WORLD)
     fsdp_params = full_params(model)
@@ -118,7 +126,7 @@ def worker(rank, port, out):
     right = nanotrain.muon.orthogonalize
     nanotrain.muon.orthogonalize = local_only
     model = fsdp_model()
-    res["wrong"] = train(model, model, model.setup_optimizers(), rank, range(STEPS))
+    res["wrong"] = train(model, model, model.setup_optimizers(**OPT), rank, range(STEPS))
     nanotrain.muon.orthogonalize = right
 
     # FSDP checkpoint -> plain model under DDP: identical parameters, then the same losses as the DDP run
@@ -126,7 +134,7 @@ def worker(rank, port, out):
     model = make_model()
     model.load_state_dict(ck["model"])
     res["fsdp_ckpt_equal"] = all(torch.equal(p, fsdp_params[n]) for n, p in model.named_parameters())
-    opts = model.setup_optimizers()
+    opts = model.setup_optimizers(**OPT)
     load_optimizers(model, opts, ck["optim"])
     res["fsdp_to_ddp"] = train(model, torch.nn.parallel.DistributedDataParallel(model), opts, rank,
                                range(SAVE_AT, STEPS))
@@ -134,7 +142,7 @@ def worker(rank, port, out):
     # DDP checkpoint -> FSDP: the optimizer state round-trips exactly, then the same losses as the DDP run
     ck = load_checkpoint(out + "/ddp/checkpoints/step_%06d" % SAVE_AT, CPU, rank)
     model = fsdp_model(state=ck["model"])
-    opts = model.setup_optimizers()
+    opts = model.setup_optimizers(**OPT)
     load_optimizers(model, opts, ck["optim"])
     model_state, optim_states = full_state_dicts(model, opts)
     if rank == 0:
@@ -146,7 +154,7 @@ def worker(rank, port, out):
     model = fsdp_model(torch.bfloat16)
     policies = [m._get_fsdp_state()._mp_policy for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     res["policies"] = [(p.param_dtype, p.reduce_dtype) for p in policies]
-    opts = model.setup_optimizers()
+    opts = model.setup_optimizers(**OPT)
     g = torch.Generator().manual_seed(7)
     x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
     forward_backward(model, x, y, 2, nullcontext())
@@ -154,7 +162,10 @@ def worker(rank, port, out):
     optimizer_step(model, opts, 1.0, 0.95, 1.0)
     res["params"] = {(isinstance(p, DTensor), p.dtype) for p in model.parameters()}
     res["states"] = {(isinstance(t, DTensor), t.dtype) for opt in opts for st in opt.state.values()
-                     for t in st.values() if t.ndim > 0}
+                     for k, t in st.items() if t.ndim > 0 and k != "second_moment"}
+    # NorMuon's statistic (one number per row or column) is computed from the whole update: a plain fp32 tensor
+    res["second_moments"] = {(isinstance(st["second_moment"], DTensor), st["second_moment"].dtype)
+                             for opt in opts for st in opt.state.values() if "second_moment" in st}
 
     # Muon on a matrix whose rows do not split evenly (3 + 2 rows) equals Muon on the whole matrix
     torch.manual_seed(1)
@@ -208,6 +219,7 @@ def test_fsdp_reduces_in_fp32_and_keeps_fp32_state(runs):
     for r in res:
         assert r["policies"] == [(torch.bfloat16, torch.float32)] * 3
         assert r["grads"] == r["params"] == r["states"] == {(True, torch.float32)}
+        assert r["second_moments"] == {(False, torch.float32)}
     for compute_dtype in (torch.bfloat16, torch.float32):
         assert mixed_precision_policy(compute_dtype).reduce_dtype == torch.float32
 

@@ -24,7 +24,9 @@ def make_model(seed=0, randomize=True, **overrides):
     if randomize:
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name != "wte.weight":
+                if p.ndim == 1:  # the lambdas: away from their init, so a wrong use of them shows
+                    p.add_(torch.randn_like(p), alpha=0.1)
+                elif name != "wte.weight":
                     p.normal_(0.0, 1.0 / math.sqrt(p.size(1)))
     return model
 
@@ -49,17 +51,40 @@ def test_config_from_depth():
         config_from_depth(0, 256, 32)
 
 
+V1 = dict(value_embeds=False, smear=False, backout=False, x0_lambdas=False)  # nanochat v1's architecture
+
+
 def test_param_count_depth20_on_meta():
-    """Matches nanochat's table (561.0M = 393.2M blocks + 2 x 83.9M embeddings); catches biases, tied embeddings,
-    a wrong MLP width or extra parameters. Built on meta, so it allocates nothing."""
+    """With the 2026 options off, matches nanochat v1's table (561.0M = 393.2M blocks + 2 x 83.9M embeddings); catches
+    biases, tied embeddings, a wrong MLP width or extra parameters. Built on meta, so it allocates nothing."""
     with torch.device("meta"):
-        model = GPT(config_from_depth(20, 65536, 2048))
+        model = GPT(config_from_depth(20, 65536, 2048, **V1))
     blocks = sum(p.numel() for p in model.blocks.parameters())
     assert blocks == 20 * 12 * 1280**2  # 393.2M
     assert model.wte.weight.numel() == model.lm_head.weight.numel() == 65536 * 1280  # 83.9M each
     assert model.num_params() == 560_988_160
     assert round(model.num_params() / 1e6, 1) == 561.0
     assert f"{model.estimate_flops():.2e}" == "3.49e+09"
+
+
+def test_param_count_depth20_with_the_options():
+    """
+    The depth-20 model with every option, counted by hand on top of nanochat v1's 560,988,160: 10 value-embedding tables
+    (blocks 1, 3, .., 19) of 65,536 x 1,280; their gates 10 x (12 x 10 heads); resid and x0 lambdas 2 x 20; the smear
+    gate 12 and smear_lambda 1; backout_lambda 1. The FLOPs add only the gates' matmuls: 6 x (1,200 + 12). Catches
+    value embeddings on every block (or on the wrong half), tables of model_dim on a GQA model, and counting a
+    lookup table as matmul FLOPs.
+    """
+    with torch.device("meta"):
+        model = GPT(config_from_depth(20, 65536, 2048, smear=True, backout=True, x0_lambdas=True))
+        default = GPT(config_from_depth(20, 65536, 2048))  # value embeddings only
+    assert default.num_params() == 560_988_160 + 10 * 65536 * 1280 + 10 * 12 * 10
+    assert sorted(int(k) for k in model.value_embeds) == list(range(1, 20, 2))
+    assert model.num_params() == 560_988_160 + 10 * 65536 * 1280 + 10 * 12 * 10 + 2 * 20 + 12 + 1 + 1
+    with torch.device("meta"):
+        v1 = GPT(config_from_depth(20, 65536, 2048, **V1))
+    assert model.estimate_flops() - v1.estimate_flops() == 6 * (1200 + 12)
+    assert model.num_scaling_params() == model.num_params() - 10 * 65536 * 1280
 
 
 def test_bad_config_raises():
@@ -108,12 +133,20 @@ def test_ignore_index():
 
 
 def test_num_params_and_flops():
-    """Catches a num_params that skips modules, or a FLOPs formula that keeps the embedding or drops attention."""
+    """
+    TINY (default options: value embeddings only) counted by hand: wte, lm_head and block 1's value embedding 256 x 64
+    each; two blocks of 12 x 64^2; block 1's value-embedding gate 12 x 2. FLOPs: 6 x the matmul weights (blocks, gate,
+    lm_head) + attention 12 x 2 layers x 2 heads x 32 head_dim x 32 positions. With smear, backout and the lambdas
+    on: + the smear gate 12 (a matmul) + lambdas 2 + 2 + 1 + 1. Catches a num_params that skips modules, or a FLOPs
+    formula that keeps an embedding table or drops attention.
+    """
     model = make_model(randomize=False)
-    assert model.num_params() == sum(p.numel() for p in model.parameters())
-    c = model.config
-    expected = 6 * (model.num_params() - 256 * 64) + 12 * c.n_layer * c.n_head * (64 // 2) * c.max_seq_len
-    assert model.estimate_flops() == expected
+    assert model.num_params() == 3 * 256 * 64 + 2 * 12 * 64**2 + 24 == 147_480
+    matmul = 2 * 12 * 64**2 + 24 + 256 * 64
+    assert model.estimate_flops() == 6 * matmul + 12 * 2 * 2 * 32 * 32 == 737_424
+    every = make_model(randomize=False, smear=True, backout=True, x0_lambdas=True)
+    assert every.num_params() == 147_480 + 12 + 6
+    assert every.estimate_flops() == 737_424 + 6 * 12
 
 
 def test_meta_init_deterministic_and_zero_proj():
@@ -212,14 +245,16 @@ def test_generate_sampling_seeded():
 
 
 def test_setup_optimizers(capsys):
-    """Catches parameters missing from (or duplicated in) the optimizers, unscaled AdamW LRs and missing initial_lr."""
-    model = make_model(randomize=False)
-    adamw, muon = model.setup_optimizers(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004)
+    """Catches parameters missing from (or duplicated in) the optimizers, unscaled AdamW LRs, a scaled scalar lr,
+    the x0 lambdas without their beta1 0.96, and missing initial_lr."""
+    model = make_model(randomize=False, smear=True, backout=True, x0_lambdas=True)
+    adamw, muon = model.setup_optimizers(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5)
     assert capsys.readouterr().out == ""  # the model prints nothing; the scripts log the lr scale
-    scale = (64 / 768) ** -0.5
-    lrs = sorted(g["lr"] for g in adamw.param_groups)
-    assert lrs == pytest.approx(sorted([0.2 * scale, 0.004 * scale]))
-    assert adamw.defaults["betas"] == (0.8, 0.95) and adamw.defaults["eps"] == 1e-10
+    scale = (64 / 768) ** -0.5  # 3.4641
+    groups = [(g["lr"], g["betas"][0], len(g["params"])) for g in adamw.param_groups]
+    assert groups == pytest.approx([(0.004 * scale, 0.8, 1), (0.2 * scale, 0.8, 1), (0.1 * scale, 0.8, 1),
+                                    (0.005, 0.8, 1), (0.5, 0.96, 1), (0.2, 0.8, 3)])
+    assert adamw.defaults["eps"] == 1e-10
     assert not adamw.defaults["fused"]  # fused on CUDA only; torch's default implementation on CPU
     ids = [id(p) for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())

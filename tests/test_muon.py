@@ -1,12 +1,13 @@
 """Tests for nanotrain/muon.py (and the optimizers of nanotrain/gpt.py) on CPU in fp32."""
 
 import copy
+import math
 
 import pytest
 import torch
 
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.muon import Muon, zeropower_via_newtonschulz5
+from nanotrain.muon import Muon, normalize_variance, zeropower_via_newtonschulz5
 
 pytestmark = pytest.mark.unit
 
@@ -182,3 +183,65 @@ def test_load_state_dict_keeps_the_runs_ns_dtype():
     del state["param_groups"][0]["ns_dtype"]  # a state saved before the setting existed
     fresh.load_state_dict(state)
     assert fresh.param_groups[0]["ns_dtype"] == "float32"
+
+
+@pytest.mark.unit
+def test_polar_express_narrows_the_singular_values():
+    """
+    Five Polar Express steps (Amsel et al. 2025) take every singular value of a Gaussian 64 x 128, 128 x 64 and
+    48 x 96 matrix into [0.8, 1.2]; the fixed quintic leaves the smallest at ~0.68 after the same five steps. Catches the fixed coefficients used under the Polar Express name, the triples applied in reverse order
+    and the tall orientation not transposed.
+    """
+    torch.manual_seed(0)
+    for shape in [(64, 128), (128, 64), (48, 96)]:
+        G = torch.randn(*shape)
+        s = torch.linalg.svdvals(zeropower_via_newtonschulz5(G, dtype=torch.float32, polar_express=True))
+        assert 0.8 <= s.min() and s.max() <= 1.2, (shape, s.min(), s.max())
+        plain = torch.linalg.svdvals(zeropower_via_newtonschulz5(G, dtype=torch.float32))
+        assert plain.min() < 0.75
+
+
+@pytest.mark.unit
+def test_normalize_variance_evens_out_the_rows_and_keeps_the_norm():
+    """
+    NorMuon on a tall 3 x 2 update [[3, 4], [1, 0], [0, 2]] (||u||_F^2 = 30), first step: the second moment is
+    (1 - beta2) * the rows' mean squares, so every row is scaled to the same norm, sqrt(30 / 3) = sqrt(10), in its own
+    direction: the rows become sqrt(10) * [0.6, 0.8], [1, 0], [0, 1]. A wide 2 x 3 update is evened out by columns.
+    Catches statistics taken along the shorter side, a result not rescaled to the update's norm, and an EMA that
+    starts from the first value instead of zero (same here: the rescale cancels it; checked on the second step).
+    """
+    u = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]])
+    state = {}
+    out = normalize_variance(u, state, beta2=0.9)
+    r = math.sqrt(10)
+    torch.testing.assert_close(out, torch.tensor([[0.6 * r, 0.8 * r], [r, 0.0], [0.0, r]]))
+    assert state["second_moment"].shape == (3, 1)
+    torch.testing.assert_close(state["second_moment"], 0.1 * torch.tensor([[12.5], [0.5], [2.0]]))
+    out_t = normalize_variance(u.T.contiguous(), {}, beta2=0.9)  # wide: per column
+    torch.testing.assert_close(out_t, out.T)
+    # second step with a different update: the EMA mixes 0.9 of the old statistic with 0.1 of the new one
+    normalize_variance(torch.ones(3, 2), state, beta2=0.9)
+    torch.testing.assert_close(state["second_moment"], 0.9 * 0.1 * torch.tensor([[12.5], [0.5], [2.0]]) + 0.1)
+
+
+@pytest.mark.unit
+def test_cautious_weight_decay_decays_only_where_the_update_agrees():
+    """
+    One Muon step with weight decay against the same step without: entries where the update u and the parameter p
+    have opposite signs are bit-identical, the others are smaller in magnitude by exactly lr * wd * |p| (u is read
+    back from the step without decay). Catches plain (non-cautious) decay, a mask with the sign flipped, and decay
+    that ignores the lr.
+    """
+    torch.manual_seed(0)
+    p0, g = torch.randn(8, 16), torch.randn(8, 16)
+    after = {}
+    for wd in (0.0, 0.5):
+        p = torch.nn.Parameter(p0.clone())
+        p.grad = g.clone()
+        Muon([p], lr=0.1, momentum=0.0, nesterov=False, ns_dtype="float32", weight_decay=wd).step()
+        after[wd] = p.detach()
+    u = (p0 - after[0.0]) / 0.1  # the step's update (rows <= cols: no shape factor)
+    agree = u * p0 > 0
+    assert 0 < agree.sum() < agree.numel()
+    assert torch.equal(after[0.5][~agree], after[0.0][~agree])
+    torch.testing.assert_close(after[0.5][agree], after[0.0][agree] - 0.1 * 0.5 * p0[agree])

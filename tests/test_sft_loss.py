@@ -31,7 +31,9 @@ def make_model(seed=0):
     model.init_weights()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name != "wte.weight":
+            if p.ndim == 1:  # the lambdas: moved off their init
+                p.add_(torch.randn_like(p), alpha=0.1)
+            elif name != "wte.weight":
                 p.normal_(0.0, 1.0 / math.sqrt(p.size(1)))
     return model
 

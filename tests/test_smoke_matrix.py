@@ -50,15 +50,18 @@ def cell_args(script, nproc, accum, name):
     ROWS / (nproc * accum), so every cell trains ROWS per step in `accum` micro-batches per rank: base and mid run
     total_batch_size 512 = ROWS * 64 tokens; chat_sft's 8 conversations (truncated to 64 tokens) fit any micro-batch
     under max_tokens_per_device 512, so only max_conversations_per_device splits them. Evaluations at step 0 and STEPS only.
-    Muon's Newton-Schulz runs in fp32 (its default is bf16 on CPUs with fast bf16 matmuls, where runs that differ by
-    fp32 roundoff in the gradient may round differently to bf16 and drift apart by more than the 1e-5 compared here).
+    The model and Muon's Newton-Schulz run in fp32 (both default to bf16 on CPUs with fast bf16 matmuls, where runs
+    that differ by fp32 roundoff may round differently to bf16 and drift apart by more than the 1e-5 compared here).
+    base_train runs without Muon's cautious weight decay for the same reason: its mask (update * weight > 0) is
+    discontinuous where the update is ~0, and at depth 2 its default (6.4) takes 19% off a weight whose mask flips.
     """
     per_micro_batch = "max_conversations_per_device" if script == "chat_sft" else "device_batch_size"
     args = [f"--run_name={name}", f"--{per_micro_batch}={ROWS // (nproc * accum)}", f"--num_iterations={STEPS}",
-            f"--save_every={CUT}", f"--eval_every={STEPS}", "--keep_last=0", "--ns_dtype=float32"]
-    if script == "base_train":
+            f"--save_every={CUT}", f"--eval_every={STEPS}", "--keep_last=0", "--ns_dtype=float32",
+            "--dtype=float32"]
+    if script == "base_train":  # (mid and sft have no Muon weight decay)
         return [*args, "--depth=2", "--max_seq_len=64", "--total_batch_size=512", "--eval_tokens=512",
-                "--sample_every=-1"]
+                "--sample_every=-1", "--muon_weight_decay=0"]
     if script == "mid_train":
         return [*args, f"--base_run_name={run_name('base_train', 1, 1)}", f"--tasks={TASKS}", "--total_batch_size=512",
                 "--eval_tokens=512"]
