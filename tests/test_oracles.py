@@ -106,22 +106,30 @@ def test_sft_evaluation_loss_on_a_known_batch(packing, split):
         batches.append(micro_batch(CONVS[i:i + n], packing=packing, pad_id=1))
         i += n
     model.train()
-    got = evaluate_loss(model, iter(batches))
+    got = evaluate_loss(model, iter(batches), autocast_ctx=nullcontext() if len(split) == 2 else None)
     assert got == pytest.approx(HAND_LOSS, abs=1e-6)
     assert model.training  # train mode restored
     assert math.isnan(evaluate_loss(model, [micro_batch([([0, 0], [1, 0])], packing, 1)]))  # no target: NaN
 
 
-def test_sft_step_count_and_scaled_loss_are_the_hand_values():
+@pytest.mark.parametrize("autocast_ctx", [None, nullcontext()])
+def test_sft_step_count_and_scaled_loss_are_the_hand_values(autocast_ctx):
     """
     backward_step over two micro-batches returns the global target count 7 (the denominator) and the scaled loss
-    HAND_SUM / 7; token_loss_scale and global_target_count are the literal values. Catches a count that is off by
-    one or per micro-batch, and a scale of 1 / count that forgets the DDP world size (2 ranks: 2 / 8 = 0.25).
+    HAND_SUM / 7, with or without an autocast context (fp32: nullcontext); the gradient of lm_head row 0 is the hand
+    value; token_loss_scale and global_target_count are the literal values. Catches a count that is off by one or
+    per micro-batch, and a scale of 1 / count that forgets the DDP world size (2 ranks: 2 / 8 = 0.25).
     """
     model = hand_model()
     batches = [micro_batch(CONVS[:2], True, 1), micro_batch(CONVS[2:], True, 1)]
-    scaled, count = backward_step(model, batches)
+    scaled, count = backward_step(model, batches, autocast_ctx)
     assert count == 7 and scaled.item() == pytest.approx(HAND_LOSS, abs=1e-6)
+    # d loss / d logit_0 = p_0 - [target == 0], times the soft-cap slope 1 - (s/15)^2 at logit 2 (1 at logit 0), times
+    # the normalised input [1, 1] (token 0) or [1, -1] (token 1): 2 x (0->1) and 2 x (0->0) with p_0 = q, 3 x (1->0)
+    # with p_0 = 1/3; over 7 targets
+    q, slope = math.exp(S) / (math.exp(S) + 2), 1 - (S / 15) ** 2
+    want = [((4 * q - 2) * slope - 2) / 7, ((4 * q - 2) * slope + 2) / 7]
+    assert model.lm_head.weight.grad[0].tolist() == pytest.approx(want, abs=1e-6)
     assert global_target_count(7, "cpu") == 7
     assert token_loss_scale(8, 2) == 0.25 and token_loss_scale(4) == 0.25 and token_loss_scale(0, 2) == 0.0
 
@@ -328,3 +336,45 @@ def test_flops_per_token_golden_values():
     assert d20.num_params() == 560_988_160
     assert f"{d20.estimate_flops():.6e}" == "3.491758e+09"
     assert gqa.estimate_flops() == 1_113_600
+
+
+# ----------------------------------------------------------------------------- Muon's Newton-Schulz
+# On a diagonal matrix the quintic Newton-Schulz map acts on each singular value alone: x <- a x + b x^3 + c x^5 with
+# Keller Jordan's published (a, b, c) = (3.4445, -4.7750, 2.0315), starting from G / ||G||_F. For diag(3, 4) the
+# start is (0.6, 0.8); by hand (a calculator, 6 decimals) the 5 steps give
+#   0.6 -> 1.193269 -> 0.911918 -> 0.801138 -> 0.974702 -> 0.722876
+#   0.8 -> 0.976482 -> 0.721118 -> 1.089457 -> 0.696045 -> 1.119204
+NS_1_STEP, NS_5_STEPS = (1.193269, 0.976482), (0.722876, 1.119204)
+
+
+def test_newton_schulz_on_a_diagonal_matrix_is_the_hand_sequence():
+    """
+    zeropower_via_newtonschulz5 of diag(3, 4), padded to 2 x 3 (wide) and 3 x 2 (tall: the transposed path), after 1
+    and 5 steps, is the hand sequence above. Catches wrong or reordered coefficients, a spectral instead of Frobenius
+    normalisation, a missing transpose back, and a step count off by one.
+    """
+    from nanotrain.muon import zeropower_via_newtonschulz5
+    wide = torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
+    for steps, (s1, s2) in ((1, NS_1_STEP), (5, NS_5_STEPS)):
+        want = torch.tensor([[s1, 0.0, 0.0], [0.0, s2, 0.0]])
+        got = zeropower_via_newtonschulz5(wide, steps=steps, dtype=torch.float32)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+        torch.testing.assert_close(zeropower_via_newtonschulz5(wide.T, steps=steps, dtype=torch.float32), want.T,
+                                   atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_first_step_is_the_hand_value(nesterov):
+    """
+    One Muon step from p = 0 with gradient diag(3, 4) padded to 3 x 2 (tall), lr 0.1: the first momentum buffer is
+    (1 - m) g and the Nesterov look-ahead (1 - m^2) g, both along g, and Newton-Schulz ignores the scale, so the update
+    is -0.1 * sqrt(3 / 2) * NS(g): -0.1 * 1.224745 * (0.722876, 1.119204) on the diagonal = (-0.088534, -0.137074).
+    Catches a missing or inverted aspect-ratio scale (sqrt(2/3) on a tall matrix), an lr ignored or applied twice, and
+    an update that is not orthogonalised.
+    """
+    from nanotrain.muon import Muon
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    p.grad = torch.tensor([[3.0, 0.0], [0.0, 4.0], [0.0, 0.0]])
+    Muon([p], lr=0.1, momentum=0.9, nesterov=nesterov, ns_dtype="float32").step()
+    want = torch.tensor([[-0.088534, 0.0], [0.0, -0.137074], [0.0, 0.0]])
+    torch.testing.assert_close(p.detach(), want, atol=2e-6, rtol=0)
