@@ -13,6 +13,7 @@ mutants run one at a time unless --max-children says otherwise). Exit status 1 i
 """
 
 import argparse
+import fnmatch
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILLED = {"killed", "timeout", "caught by type check"}
+MUTMUT = shutil.which("mutmut") or os.path.join(os.path.dirname(sys.executable), "mutmut")
 
 
 def prepare(module, tests, work):
@@ -44,15 +46,30 @@ def prepare(module, tests, work):
     open(path, "w").write(text)
 
 
-def run_module(module, tests, max_children):
-    """Runs mutmut on `module` with `tests`; returns {mutant name: status}."""
+def run_module(module, tests, max_children, again=False, skip=()):
+    """Runs mutmut on `module` with `tests`; returns {mutant name: status}. again: keep the verdicts of the last run
+    in mutants/<name>/, refresh its tests/ from the repository and re-run only the mutants not killed (after adding
+    tests for survivors: tests are only added, so a killed mutant stays killed). skip: mutant-name globs that
+    --again leaves unchecked (reported as such)."""
     work = os.path.join(REPO, "mutants", os.path.splitext(os.path.basename(module))[0])
-    prepare(module, tests, work)
+    names = []
+    if again and os.path.isdir(work):
+        shutil.copytree(os.path.join(REPO, "tests"), os.path.join(work, "tests"), dirs_exist_ok=True)
+        names = [n for n, s in results_of(work).items()
+                 if s not in KILLED and not any(fnmatch.fnmatch(n, g) for g in skip)]
+    else:
+        prepare(module, tests, work)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the mutated copy must be the one imported
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny tests: one thread each is fastest, and the cores are shared
-    mutmut = shutil.which("mutmut") or os.path.join(os.path.dirname(sys.executable), "mutmut")
-    subprocess.run([mutmut, "run", "--max-children", str(max_children)], cwd=work, env=env, check=True)
-    out = subprocess.run([mutmut, "results", "--all", "true"], cwd=work, env=env, check=True, capture_output=True,
+    env["NANOTRAIN_TEST_SHARED_BASE"] = os.path.join(work, "shared_base")  # corpus + tokenizer built once, not per mutant
+    if not again or names:
+        subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *names], cwd=work, env=env, check=True)
+    return results_of(work)
+
+
+def results_of(work):
+    """{mutant name: status} of the last mutmut run in `work`."""
+    out = subprocess.run([MUTMUT, "results", "--all", "true"], cwd=work, check=True, capture_output=True,
                          text=True).stdout
     return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
 
@@ -64,22 +81,27 @@ def main():
     parser.add_argument("modules", nargs="*", help=f"default: all of {list(modules)}")
     parser.add_argument("--max-children", type=int, default=1, help="mutants run in parallel (default 1)")
     parser.add_argument("--min", type=float, default=0.8, help="exit 1 if a module's score is below (default 0.8)")
+    parser.add_argument("--again", action="store_true", help="re-run only the mutants the last run did not kill")
+    parser.add_argument("--skip", action="append", default=[], metavar="GLOB",
+                        help="with --again: leave the mutants whose names match unchecked")
     args = parser.parse_args()
     unknown = [m for m in args.modules if m not in modules]
     if unknown:
         parser.error(f"not in [tool.mutation_score.modules]: {unknown}")
     rows = []
     for module in args.modules or list(modules):
-        results = run_module(module, modules[module], args.max_children)
-        killed = sum(s in KILLED for s in results.values())
-        rows.append((module, killed, len(results), sorted(f"{n} ({s})" for n, s in results.items() if s not in KILLED)))
-    print(f"\n{'module':32} {'killed/total':>12} {'score':>6}")
-    for module, killed, total, _ in rows:
-        print(f"{module:32} {f'{killed}/{total}':>12} {killed / max(total, 1):>6.1%}")
-    for module, _, _, left in rows:
+        results = run_module(module, modules[module], args.max_children, args.again, args.skip)
+        checked = {n: s for n, s in results.items() if s != "not checked"}
+        killed = sum(s in KILLED for s in checked.values())
+        rows.append((module, killed, len(checked), len(results) - len(checked),
+                     sorted(f"{n} ({s})" for n, s in checked.items() if s not in KILLED)))
+    print(f"\n{'module':32} {'killed/total':>12} {'score':>6}  not checked")
+    for module, killed, total, unchecked, _ in rows:
+        print(f"{module:32} {f'{killed}/{total}':>12} {killed / max(total, 1):>6.1%}  {unchecked}")
+    for module, _, _, _, left in rows:
         if left:
             print(f"\nnot killed in {module}:\n  " + "\n  ".join(left))
-    sys.exit(1 if any(killed < args.min * total for _, killed, total, _ in rows) else 0)
+    sys.exit(1 if any(killed < args.min * total or unchecked for _, killed, total, unchecked, _ in rows) else 0)
 
 
 if __name__ == "__main__":

@@ -209,3 +209,71 @@ def test_token_stream_resume_exact():
         assert torch.equal(x, straight[i][0]) and torch.equal(y, straight[i][1])
     epoch0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in straight])[:total]
     assert sorted(epoch0.tolist()) == sorted(t for c_ in convs for t in c_)
+
+
+# ---------------------------------------------------------------------------- errors, devices, threads (literal cases)
+
+def test_loader_errors_name_the_rank_and_the_state(byte_tokenizer, four_docs):
+    """
+    Rank 4 of 5 over 4 documents gets none: one UserError naming the rank and the file; a state whose document does
+    not exist stops with one naming the state; states at a rank's last document and at the very end of an epoch
+    resume into the next epoch (literal rows). Catches an endless loop over empty epochs (a hang), a resume that
+    silently starts elsewhere, and a resume at the epoch's end taken for a rank without documents.
+    """
+    from nanotrain.common import UserError
+    with pytest.raises(UserError, match=r"rank 4 of 5 got no document from \[.*docs.jsonl'\]: the data split is too "
+                                        r"small for this many ranks"):
+        TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", rank=4, world_size=5, num_threads=1).next_batch()
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
+    with pytest.raises(UserError, match=r"loader state \{'epoch': 0, 'doc_index': 7, 'offset': 2\} does not match "
+                                        r"the data files"):
+        loader.load_state_dict({"epoch": 0, "doc_index": 7, "offset": 2})
+    resumed = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", rank=1, world_size=2, num_threads=1)
+    resumed.load_state_dict({"epoch": 0, "doc_index": 3, "offset": 0})  # rank 1's last document, then a new epoch
+    assert [resumed.next_batch()[0].tolist() for _ in range(2)] == [[[256, 109, 256]], [[102, 256, 109]]]
+    at_end = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
+    at_end.load_state_dict({"epoch": 0, "doc_index": 4, "offset": 0})  # saved at the very end of epoch 0
+    assert at_end.next_batch()[0].tolist() == [[256, 97, 98]] and at_end.state_dict()["epoch"] == 1
+
+
+def test_batches_land_on_the_device(byte_tokenizer, four_docs):
+    """Both loaders move their batches to `device` (meta stands in for an accelerator, which the CPU suite lacks).
+    Catches a device argument that is dropped."""
+    x, y = TokenLoader(byte_tokenizer, four_docs, 2, 3, "meta", num_threads=1).next_batch()
+    assert x.device.type == y.device.type == "meta" and x.shape == (2, 3)
+    x, y = ConversationTokenStream([[1, 2, 3]], 1, 2, device="meta").next_batch()
+    assert x.device.type == y.device.type == "meta"
+
+
+def test_close_and_exit_stop_the_thread_and_keep_the_position(byte_tokenizer, four_docs):
+    """
+    close() (and the interpreter-exit hook) stop the prefetch thread; the loader then continues exactly where the
+    caller was, not where the thread had read to. Catches a thread left running at exit (an abort in finalisation)
+    and a close that loses the batches the thread produced ahead.
+    """
+    from nanotrain import dataloader
+    sync = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
+    want = [sync.next_batch()[0].tolist() for _ in range(4)]
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=2)
+    got = [loader.next_batch()[0].tolist() for _ in range(2)]
+    thread = loader._thread
+    loader.close()
+    assert loader._thread is None and not thread.is_alive()
+    got += [loader.next_batch()[0].tolist()]
+    dataloader._stop_prefetch_threads()
+    assert not loader._thread.is_alive()
+    loader._thread = None  # its stop event is set: a new thread starts on demand (as close() leaves it)
+    loader.load_state_dict(loader._state)
+    got += [loader.next_batch()[0].tolist()]
+    assert got == want
+
+
+def test_conversation_stream_seed_shuffle_and_errors():
+    """The seed and shuffle settings reach the order (shuffle=False: the given order, the default shuffles), and a
+    stream without tokens is refused. Catches the seed or shuffle argument dropped."""
+    convs = [[i] for i in range(30)]
+    first = lambda **kw: ConversationTokenStream(convs, 1, 29, **kw).next_batch()[0].flatten().tolist()
+    assert first(shuffle=False) == list(range(29))
+    assert first(seed=1) != first(seed=2) and first() != list(range(29))
+    with pytest.raises(ValueError, match="ConversationTokenStream: no tokens"):
+        ConversationTokenStream([[], []], 1, 2)

@@ -10,7 +10,6 @@ already RMS-normalised, lm_head is [[1, 1], [0, 0], [0, 0]], so input 0 gives lo
     nll(0 -> 0) = ln(e^s + 2) - s,   nll(0 -> 1) = nll(0 -> 2) = ln(e^s + 2),   nll(1 or 2 -> any) = ln 3.
 """
 
-import json
 import math
 from contextlib import nullcontext
 
@@ -30,7 +29,6 @@ from nanotrain.sft_data import (
     micro_batch,
     token_loss_scale,
 )
-from nanotrain.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -159,22 +157,6 @@ def test_bpb_on_a_hand_computable_batch():
 
 
 # ----------------------------------------------------------------------------- loader position bookkeeping
-@pytest.fixture(scope="module")
-def byte_tokenizer():
-    """A real nanotrain tokenizer without merges: every ASCII letter is one token (its byte), BOS is 256."""
-    tok = Tokenizer.train_from_iterator(iter(["ab"]), 265)
-    assert tok.get_bos_token_id() == 256 and tok.encode("abc") == [97, 98, 99]
-    return tok
-
-
-@pytest.fixture
-def four_docs(tmp_path):
-    """Documents of 4, 2, 6, 1 letters: 5, 3, 7, 2 tokens with BOS, 17 per epoch."""
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["abcd", "ef", "ghijkl", "m"]))
-    return [str(path)]
-
-
 @pytest.mark.parametrize("read_ahead", [1, 128])
 def test_token_loader_positions_after_k_batches(byte_tokenizer, four_docs, read_ahead):
     """
