@@ -269,6 +269,38 @@ def test_oom_step_down_visits_the_literal_sequence(tmp_path, monkeypatch):
     assert loss.item() == 0.5 and model.w.grad.item() == 0.5
 
 
+@pytest.mark.parametrize("cands,eager,limit,want,calls", [
+    ([1, 2, 4, 8, 16, 32], 2, 64, 8, [2, 4, 8]),  # fits everywhere: 3 probes at most, so 8 (not 32)
+    ([1, 2, 4], 4, 64, 4, [4]),  # the largest candidate: nothing above it to try
+    ([1, 2, 4], 2, 64, 4, [2, 4]),  # one step up to the largest
+    ([1, 2, 4, 8], 2, 1, 1, [2, 1]),  # down to the smallest candidate, which fits
+])
+def test_compiled_refinement_literal_probe_sequences(cands, eager, limit, want, calls):
+    """
+    The compiled check of the eager answer probes exactly the listed sizes (worked out by hand from the rule: verify,
+    step down on failure, else step up while the next fits, 3 probes in all). Catches a budget of 4 probes (16 or 32
+    instead of 8), an index run past the largest candidate (IndexError), a step-down that stops before the smallest
+    candidate (an error although 1 fits), and a step-up that skips a candidate.
+    """
+    from nanotrain.auto_batch_size import _refine_compiled
+    seen = []
+
+    def fits(b):
+        seen.append(b)
+        return b <= limit
+    assert _refine_compiled(fits, cands, eager) == want and seen == calls
+
+
+def test_check_probes_rejects_a_size_that_also_failed():
+    """A cache entry whose probes say its size both fits and does not fit is contradictory and rejected. Catches a
+    comparison that accepts a failure at the size itself (only failures strictly below it)."""
+    from nanotrain.auto_batch_size import check_probes
+    fits = {"batch_size": 4, "peak_bytes": 10, "result": "fits", "phase": "search"}
+    check_probes(4, [fits, {**fits, "batch_size": 8, "result": "OOM"}], 100)  # consistent: no error
+    with pytest.raises(ValueError, match=r"not the answer of its search probes \(fits: \[4\]; does not fit: \[4\]\)"):
+        check_probes(4, [fits, {**fits, "result": "over budget"}], 100)
+
+
 # ----------------------------------------------------------------------------- parameters and FLOPs
 def hand_shapes(vocab, dim, n_layer, n_head, n_kv_head):
     """The parameter shapes of the architecture, written out module by module (no biases, untied head)."""
