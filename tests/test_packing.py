@@ -255,9 +255,9 @@ def test_sft_data_errors_name_the_problem():
     with pytest.raises(ValueError, match="max_len=1: a conversation needs at least 2 tokens"):
         fit_conversation([1, 2], [0, 1], 1)
     assert fit_conversation([1, 2], [0, 1], 2) == ([1, 2], [0, 1], "ok")  # 2 tokens: the smallest allowed max_len
-    with pytest.raises(ValueError, match="pack_conversations: no conversation"):
+    with pytest.raises(ValueError, match="^pack_conversations: no conversation$"):
         pack_conversations([])
-    with pytest.raises(ValueError, match="pad_conversations: no conversation"):
+    with pytest.raises(ValueError, match="^pad_conversations: no conversation$"):
         pad_conversations([], pad_id=0)
     with pytest.raises(ValueError, match=r"lpt_pack: max_tokens=0 and world_size=1 must be >= 1"):
         lpt_pack([1], 0)
