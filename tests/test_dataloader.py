@@ -234,6 +234,15 @@ def test_loader_errors_name_the_rank_and_the_state(byte_tokenizer, four_docs):
     at_end = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
     at_end.load_state_dict({"epoch": 0, "doc_index": 4, "offset": 0})  # saved at the very end of epoch 0
     assert at_end.next_batch()[0].tolist() == [[256, 97, 98]] and at_end.state_dict()["epoch"] == 1
+    one_doc = four_docs[0].replace("docs.jsonl", "one.jsonl")
+    open(one_doc, "w").write('{"text": "abc"}\n')
+    at_end = TokenLoader(byte_tokenizer, [one_doc], 1, 3, "cpu", num_threads=1)
+    at_end.load_state_dict({"epoch": 0, "doc_index": 1, "offset": 0})  # the end of a one-document epoch
+    assert at_end.next_batch()[0].tolist() == [[256, 97, 98]] and at_end.state_dict()["epoch"] == 1
+    resumed = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", rank=4, world_size=5, num_threads=1)
+    resumed.load_state_dict({"epoch": 0, "doc_index": 0, "offset": 0})
+    with pytest.raises(UserError, match="rank 4 of 5 got no document"):  # also after a resume: no endless epochs
+        resumed.next_batch()
 
 
 def test_batches_land_on_the_device(byte_tokenizer, four_docs):
@@ -275,5 +284,5 @@ def test_conversation_stream_seed_shuffle_and_errors():
     first = lambda **kw: ConversationTokenStream(convs, 1, 29, **kw).next_batch()[0].flatten().tolist()
     assert first(shuffle=False) == list(range(29))
     assert first(seed=1) != first(seed=2) and first() != list(range(29))
-    with pytest.raises(ValueError, match="ConversationTokenStream: no tokens"):
+    with pytest.raises(ValueError, match="^ConversationTokenStream: no tokens$"):
         ConversationTokenStream([[], []], 1, 2)
