@@ -245,6 +245,33 @@ def test_loader_errors_name_the_rank_and_the_state(byte_tokenizer, four_docs):
         resumed.next_batch()
 
 
+def test_no_document_message_lists_at_most_three_files(byte_tokenizer, tmp_path):
+    """The no-document error names the first three files and marks more with ' ...'. Catches a message that lists
+    every file (thousands of shards) or hides that there are more."""
+    from nanotrain.common import UserError
+    files = []
+    for i in range(4):
+        files.append(str(tmp_path / f"f{i}.jsonl"))
+        open(files[-1], "w").write('{"text": "ab"}\n')
+    for n, tail in ((3, r"f2.jsonl'\]: the data"), (4, r"f2.jsonl'\] \.\.\.: the data")):
+        with pytest.raises(UserError, match=tail):
+            TokenLoader(byte_tokenizer, files[:n], 1, 3, "cpu", rank=4, world_size=5, num_threads=1).next_batch()
+
+
+def test_epochs_count_up_and_the_thread_is_a_named_daemon(byte_tokenizer, four_docs):
+    """
+    After 9 rows of 4 tokens over 17-token epochs the state is (epoch 2, document 0, offset 2): 36 = 2 x 17 + 2.
+    The prefetch thread is a daemon named TokenLoader-prefetch. Catches an epoch counter stuck at 1, and a non-daemon
+    thread that keeps the interpreter from exiting.
+    """
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=1)
+    for _ in range(9):
+        loader.next_batch()
+    assert loader.state_dict() == {"epoch": 2, "doc_index": 0, "offset": 2}
+    assert loader._thread.daemon and loader._thread.name == "TokenLoader-prefetch"
+    loader.close()
+
+
 def test_batches_land_on_the_device(byte_tokenizer, four_docs):
     """Both loaders move their batches to `device` (meta stands in for an accelerator, which the CPU suite lacks).
     Catches a device argument that is dropped."""
