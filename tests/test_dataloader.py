@@ -261,8 +261,8 @@ def test_no_document_message_lists_at_most_three_files(byte_tokenizer, tmp_path)
 def test_epochs_count_up_and_the_thread_is_a_named_daemon(byte_tokenizer, four_docs):
     """
     After 9 rows of 4 tokens over 17-token epochs the state is (epoch 2, document 0, offset 2): 36 = 2 x 17 + 2.
-    The prefetch thread is a daemon named TokenLoader-prefetch. Catches an epoch counter stuck at 1, and a non-daemon
-    thread that keeps the interpreter from exiting.
+    The prefetch thread is a daemon named TokenLoader-prefetch, and prefetch=0 starts none. Catches an epoch counter
+    stuck at 1, a non-daemon thread that keeps the interpreter from exiting, and a thread with an unbounded queue.
     """
     loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=1)
     for _ in range(9):
@@ -270,6 +270,9 @@ def test_epochs_count_up_and_the_thread_is_a_named_daemon(byte_tokenizer, four_d
     assert loader.state_dict() == {"epoch": 2, "doc_index": 0, "offset": 2}
     assert loader._thread.daemon and loader._thread.name == "TokenLoader-prefetch"
     loader.close()
+    sync = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=0)
+    sync.next_batch()
+    assert sync._thread is None  # prefetch=0: no thread (a queue of size 0 would be unbounded)
 
 
 def test_batches_land_on_the_device(byte_tokenizer, four_docs):
