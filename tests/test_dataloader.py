@@ -5,6 +5,7 @@ resume, epochs and prefetch; exact resume of the mid-training ConversationTokenS
 
 import gc
 import random
+import time
 
 import numpy as np
 import pytest
@@ -262,7 +263,8 @@ def test_epochs_count_up_and_the_thread_is_a_named_daemon(byte_tokenizer, four_d
     """
     After 9 rows of 4 tokens over 17-token epochs the state is (epoch 2, document 0, offset 2): 36 = 2 x 17 + 2.
     The prefetch thread is a daemon named TokenLoader-prefetch, and prefetch=0 starts none. Catches an epoch counter
-    stuck at 1, a non-daemon thread that keeps the interpreter from exiting, and a thread with an unbounded queue.
+    stuck at 1, a non-daemon thread that keeps the interpreter from exiting, a thread with an unbounded queue, and one
+    that gives up while its queue is full (the next batch would never come).
     """
     loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=1)
     for _ in range(9):
@@ -270,6 +272,13 @@ def test_epochs_count_up_and_the_thread_is_a_named_daemon(byte_tokenizer, four_d
     assert loader.state_dict() == {"epoch": 2, "doc_index": 0, "offset": 2}
     assert loader._thread.daemon and loader._thread.name == "TokenLoader-prefetch"
     loader.close()
+    slow = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=1)
+    rows = [slow.next_batch()[0].tolist()]
+    time.sleep(0.5)  # a slow training step: the thread waits on its full queue (timeouts of 0.1 s) and stays alive
+    assert slow._thread.is_alive()
+    rows += [slow.next_batch()[0].tolist() for _ in range(2)]
+    assert rows == [[[256, 97, 98]], [[100, 256, 101]], [[256, 103, 104]]]
+    slow.close()
     sync = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=0)
     sync.next_batch()
     assert sync._thread is None  # prefetch=0: no thread (a queue of size 0 would be unbounded)
