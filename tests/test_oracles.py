@@ -301,6 +301,29 @@ def test_check_probes_rejects_a_size_that_also_failed():
         check_probes(4, [fits, {**fits, "result": "over budget"}], 100)
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_sft_probe_model_is_the_rows_chat_sft_trains(packing):
+    """
+    sft_builder's probe model on (B, T) rows gives the loss of B independent conversations: packed (one row of B * T
+    tokens in B segments) or padded, both equal the mean of the per-row losses of the plain model, computed one row
+    at a time. Its cache key records the packing. Catches segments that leak attention or positions across rows,
+    a packed path that drops doc_ids, and a key without packing (a padded entry reused for packed runs).
+    """
+    from conftest import tiny_model
+
+    from nanotrain.auto_batch_size import sft_builder
+    model = tiny_model()
+    build = sft_builder(model.config, packing, weight_decay=0.0)
+    assert build.key_fields["packing"] is packing and build.key_fields["optimizer_kwargs"] == {"weight_decay": 0.0}
+    probe, optimizers = build("cpu")
+    assert probe.packing is packing and len(optimizers) == 2
+    probe.model.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
+    per_row = torch.stack([model(x[i:i + 1], y[i:i + 1]) for i in range(3)]).mean()
+    assert probe(x, y).item() == pytest.approx(per_row.item(), abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- parameters and FLOPs
 def hand_shapes(vocab, dim, n_layer, n_head, n_kv_head):
     """The parameter shapes of the architecture, written out module by module (no biases, untied head)."""
