@@ -255,16 +255,19 @@ def test_oom_step_down_visits_the_literal_sequence(tmp_path, monkeypatch):
     12 rows, candidates of 12 rows [1, 2, 3, 4, 6, 12], memory for 3 rows: the micro-batch sizes tried are exactly
     12, 6, 4, then four of 3; the record gets [step, 12, 3] and the loss is the mean of the rows. Catches a step-down
     by halving (12 -> 6 -> 3 skips 4), a step-down that restarts from the top, and a loss not averaged over the
-    micro-batches (x == y on 6 of 12 rows: 0.5).
+    micro-batches (x == y on 6 of 12 rows: 0.5); the log lines name each step-down with its accumulation steps.
     """
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     model = OOMAbove(limit=3)
     x = torch.zeros(12, 2, dtype=torch.long)
     y = torch.cat([torch.zeros(6, 2), torch.ones(6, 2)]).long()
     record = {"candidates": [1, 2, 3, 4, 6, 12], "cache_key": {}}
-    step_down = OOMStepDown(record, None, 12, log=lambda *a: None)
+    logs = []
+    step_down = OOMStepDown(record, None, 12, log=logs.append)
     loss = step_down.forward_backward(model, x, y, nullcontext(), step=7)
     assert model.calls == [12, 6, 4, 3, 3, 3, 3]
+    assert logs == [f"out of memory at device_batch_size={a}: stepping down to {b} (grad_accum_steps {m} -> {n}) and "
+                    f"redoing this step" for a, b, m, n in [(12, 6, 1, 2), (6, 4, 2, 3), (4, 3, 3, 4)]]
     assert step_down.device_batch_size == 3 and record["step_downs"] == [[7, 12, 3]]
     assert loss.item() == 0.5 and model.w.grad.item() == 0.5
 
@@ -316,7 +319,10 @@ def test_sft_probe_model_is_the_rows_chat_sft_trains(packing):
     build = sft_builder(model.config, packing, weight_decay=0.0)
     assert build.key_fields["packing"] is packing and build.key_fields["optimizer_kwargs"] == {"weight_decay": 0.0}
     probe, optimizers = build("cpu")
-    assert probe.packing is packing and len(optimizers) == 2
+    assert probe.packing is packing and len(optimizers) == 2 and probe.model.activation_checkpointing is False
+    checkpointed = sft_builder(model.config, packing, activation_checkpointing=True)
+    assert checkpointed.key_fields["activation_checkpointing"] is True
+    assert checkpointed("cpu")[0].model.activation_checkpointing is True
     probe.model.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
