@@ -1,5 +1,7 @@
 """
-Mutation score per module: `python scripts/mutation_score.py [nanotrain/sft_data.py ...]` (all modules by default).
+Mutation score (mutmut) of each module of [tool.mutation_score.modules] in pyproject.toml, against its own tests.
+
+Usage: `python scripts/mutation_score.py [nanotrain/sft_data.py ...]` (all modules by default).
 
 For each module of [tool.mutation_score.modules] in pyproject.toml (module -> its own test files), copies the
 repository's files (git ls-files: tracked and untracked-not-ignored) into mutants/<module name>/, rewrites the copy's
