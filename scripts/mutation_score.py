@@ -10,8 +10,10 @@ reads the verdicts with `mutmut results --all true`. mutmut 3 itself runs every 
 that cover the mutated function. Prints one table: module, killed/total (a timeout counts as killed: the mutant made
 a test hang), score, and the names of the mutants that were not killed (inspect one with
 `cd mutants/<name> && mutmut show <mutant>`). Each run starts from a fresh copy, so nothing stale is reused.
-Needs mutmut==3.8.1 (requirements.txt) and Python >= 3.11 (tomllib); runs from a clean clone. Slow: minutes per module on 2 cores (the
-mutants run one at a time unless --max-children says otherwise). Exit status 1 if a module scores below --min.
+Needs mutmut==3.8.1 (requirements.txt) and Python >= 3.11 (tomllib); runs from a clean clone. Slow, one mutant at a
+time unless --max-children says otherwise: on 2 shared cores sft_data and dataloader take ~10 minutes each,
+auto_batch_size hours (discover_device_batch_size alone has ~500 mutants, each running the discovery tests).
+Exit status 1 if a module scores below --min or has mutants left unchecked.
 """
 
 import argparse
