@@ -10,6 +10,7 @@ already RMS-normalised, lm_head is [[1, 1], [0, 0], [0, 0]], so input 0 gives lo
     nll(0 -> 0) = ln(e^s + 2) - s,   nll(0 -> 1) = nll(0 -> 2) = ln(e^s + 2),   nll(1 or 2 -> any) = ln 3.
 """
 
+import json
 import math
 from contextlib import nullcontext
 
@@ -328,6 +329,30 @@ def test_sft_probe_model_is_the_rows_chat_sft_trains(packing):
     x, y = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
     per_row = torch.stack([model(x[i:i + 1], y[i:i + 1]) for i in range(3)]).mean()
     assert probe(x, y).item() == pytest.approx(per_row.item(), abs=1e-5)
+
+
+def test_agree_reraises_and_cache_warnings_name_the_reason(tmp_path, monkeypatch):
+    """
+    _agree re-raises the error of its function (single process: the rank's own exception); a cache file with another
+    key or a size that is not a candidate is ignored with a warning naming the reason. Catches an error swallowed
+    into a None result (discovery would go on without a model) and a warning that does not say why the entry was
+    dropped.
+    """
+    from nanotrain.auto_batch_size import _agree, cache_path, read_cached, write_cached
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    with pytest.raises(ZeroDivisionError):
+        _agree(lambda: 1 / 0, torch.device("cpu"), "testing")
+    assert _agree(lambda: 7, torch.device("cpu"), "testing") == 7
+    key = {"candidates": [1, 2, 4], "x": 1}
+    probes = [{"batch_size": 2, "peak_bytes": 1, "result": "fits", "phase": "search"}]
+    write_cached(key, 2, probes)
+    entry = json.load(open(cache_path(key)))
+    for edit, reason in [({"key": {**key, "x": 2}}, "ValueError: its key does not match this run's key"),
+                         ({"device_batch_size": 3}, "ValueError: device_batch_size=3 is not a candidate")]:
+        json.dump({**entry, **edit}, open(cache_path(key), "w"))
+        logs = []
+        assert read_cached(key, 10, log=logs.append) is None
+        assert len(logs) == 1 and logs[0].endswith(reason)
 
 
 # ----------------------------------------------------------------------------- parameters and FLOPs
