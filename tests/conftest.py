@@ -3,7 +3,9 @@ Shared fixtures: a session-wide base directory holding the builtin corpus and a 
 and per-test base directories that reuse them, so no test writes into ~/.cache/nanotrain.
 """
 
+import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -22,11 +24,17 @@ TINY_TRAIN = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total
 
 @pytest.fixture(scope="session")
 def shared_base_dir(tmp_path_factory):
-    """A base dir with data/builtin and a TINY_VOCAB tokenizer trained on 300k characters of it."""
+    """A base dir with data/builtin and a TINY_VOCAB tokenizer trained on 300k characters of it. With
+    NANOTRAIN_TEST_SHARED_BASE set (scripts/mutation_score.py sets it: one pytest session per mutant), it is built
+    there once and reused by later sessions."""
     from nanotrain.dataset import iter_documents, resolve_data_files
     from nanotrain.tokenizer import Tokenizer
 
-    base = tmp_path_factory.mktemp("shared_base")
+    cached = os.environ.get("NANOTRAIN_TEST_SHARED_BASE")
+    if cached and os.path.exists(os.path.join(cached, "complete")):
+        return pathlib.Path(cached)
+    base = pathlib.Path(cached) if cached else tmp_path_factory.mktemp("shared_base")
+    base.mkdir(parents=True, exist_ok=True)
     old = os.environ.get("NANOTRAIN_BASE_DIR")
     os.environ["NANOTRAIN_BASE_DIR"] = str(base)
     try:
@@ -40,6 +48,7 @@ def shared_base_dir(tmp_path_factory):
                 if n >= limit:
                     return
         Tokenizer.train_from_iterator(texts(), TINY_VOCAB).save(str(base / "tokenizer"))
+        (base / "complete").touch()  # a cached copy may be reused from now on
     finally:
         if old is None:
             os.environ.pop("NANOTRAIN_BASE_DIR", None)
@@ -72,6 +81,23 @@ def run_script(script, *args, base_dir, nproc=1, timeout=300, env=None):
     full_env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     full_env.update(env or {})
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    """A real nanotrain tokenizer without merges: every ASCII letter is one token (its byte), BOS is 256."""
+    from nanotrain.tokenizer import Tokenizer
+    tok = Tokenizer.train_from_iterator(iter(["ab"]), 265)
+    assert tok.get_bos_token_id() == 256 and tok.encode("abc") == [97, 98, 99]
+    return tok
+
+
+@pytest.fixture
+def four_docs(tmp_path):
+    """Documents of 4, 2, 6, 1 letters: 5, 3, 7, 2 tokens with BOS, 17 per epoch."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["abcd", "ef", "ghijkl", "m"]))
+    return [str(path)]
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ resume, epochs and prefetch; exact resume of the mid-training ConversationTokenS
 
 import gc
 import random
+import time
 
 import numpy as np
 import pytest
@@ -209,3 +210,118 @@ def test_token_stream_resume_exact():
         assert torch.equal(x, straight[i][0]) and torch.equal(y, straight[i][1])
     epoch0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in straight])[:total]
     assert sorted(epoch0.tolist()) == sorted(t for c_ in convs for t in c_)
+
+
+# ---------------------------------------------------------------------------- errors, devices, threads (literal cases)
+
+def test_loader_errors_name_the_rank_and_the_state(byte_tokenizer, four_docs):
+    """
+    Rank 4 of 5 over 4 documents gets none: one UserError naming the rank and the file; a state whose document does
+    not exist stops with one naming the state; states at a rank's last document and at the very end of an epoch
+    resume into the next epoch (literal rows). Catches an endless loop over empty epochs (a hang), a resume that
+    silently starts elsewhere, and a resume at the epoch's end taken for a rank without documents.
+    """
+    from nanotrain.common import UserError
+    with pytest.raises(UserError, match=r"rank 4 of 5 got no document from \[.*docs.jsonl'\]: the data split is too "
+                                        r"small for this many ranks"):
+        TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", rank=4, world_size=5, num_threads=1).next_batch()
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
+    with pytest.raises(UserError, match=r"loader state \{'epoch': 0, 'doc_index': 7, 'offset': 2\} does not match "
+                                        r"the data files"):
+        loader.load_state_dict({"epoch": 0, "doc_index": 7, "offset": 2})
+    resumed = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", rank=1, world_size=2, num_threads=1)
+    resumed.load_state_dict({"epoch": 0, "doc_index": 3, "offset": 0})  # rank 1's last document, then a new epoch
+    assert [resumed.next_batch()[0].tolist() for _ in range(2)] == [[[256, 109, 256]], [[102, 256, 109]]]
+    at_end = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
+    at_end.load_state_dict({"epoch": 0, "doc_index": 4, "offset": 0})  # saved at the very end of epoch 0
+    assert at_end.next_batch()[0].tolist() == [[256, 97, 98]] and at_end.state_dict()["epoch"] == 1
+    one_doc = four_docs[0].replace("docs.jsonl", "one.jsonl")
+    open(one_doc, "w").write('{"text": "abc"}\n')
+    at_end = TokenLoader(byte_tokenizer, [one_doc], 1, 3, "cpu", num_threads=1)
+    at_end.load_state_dict({"epoch": 0, "doc_index": 1, "offset": 0})  # the end of a one-document epoch
+    assert at_end.next_batch()[0].tolist() == [[256, 97, 98]] and at_end.state_dict()["epoch"] == 1
+    resumed = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", rank=4, world_size=5, num_threads=1)
+    resumed.load_state_dict({"epoch": 0, "doc_index": 0, "offset": 0})
+    with pytest.raises(UserError, match="rank 4 of 5 got no document"):  # also after a resume: no endless epochs
+        resumed.next_batch()
+
+
+def test_no_document_message_lists_at_most_three_files(byte_tokenizer, tmp_path):
+    """The no-document error names the first three files and marks more with ' ...'. Catches a message that lists
+    every file (thousands of shards) or hides that there are more."""
+    from nanotrain.common import UserError
+    files = []
+    for i in range(4):
+        files.append(str(tmp_path / f"f{i}.jsonl"))
+        open(files[-1], "w").write('{"text": "ab"}\n')
+    for n, tail in ((3, r"f2.jsonl'\]: the data"), (4, r"f2.jsonl'\] \.\.\.: the data")):
+        with pytest.raises(UserError, match=tail):
+            TokenLoader(byte_tokenizer, files[:n], 1, 3, "cpu", rank=4, world_size=5, num_threads=1).next_batch()
+
+
+def test_epochs_count_up_and_the_thread_is_a_named_daemon(byte_tokenizer, four_docs):
+    """
+    After 9 rows of 4 tokens over 17-token epochs the state is (epoch 2, document 0, offset 2): 36 = 2 x 17 + 2.
+    The prefetch thread is a daemon named TokenLoader-prefetch, and prefetch=0 starts none. Catches an epoch counter
+    stuck at 1, a non-daemon thread that keeps the interpreter from exiting, a thread with an unbounded queue, and one
+    that gives up while its queue is full (the next batch would never come).
+    """
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=1)
+    for _ in range(9):
+        loader.next_batch()
+    assert loader.state_dict() == {"epoch": 2, "doc_index": 0, "offset": 2}
+    assert loader._thread.daemon and loader._thread.name == "TokenLoader-prefetch"
+    loader.close()
+    slow = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=1)
+    rows = [slow.next_batch()[0].tolist()]
+    time.sleep(0.5)  # a slow training step: the thread waits on its full queue (timeouts of 0.1 s) and stays alive
+    assert slow._thread.is_alive()
+    rows += [slow.next_batch()[0].tolist() for _ in range(2)]
+    assert rows == [[[256, 97, 98]], [[100, 256, 101]], [[256, 103, 104]]]
+    slow.close()
+    sync = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=0)
+    sync.next_batch()
+    assert sync._thread is None  # prefetch=0: no thread (a queue of size 0 would be unbounded)
+
+
+def test_batches_land_on_the_device(byte_tokenizer, four_docs):
+    """Both loaders move their batches to `device` (meta stands in for an accelerator, which the CPU suite lacks).
+    Catches a device argument that is dropped."""
+    x, y = TokenLoader(byte_tokenizer, four_docs, 2, 3, "meta", num_threads=1).next_batch()
+    assert x.device.type == y.device.type == "meta" and x.shape == (2, 3)
+    x, y = ConversationTokenStream([[1, 2, 3]], 1, 2, device="meta").next_batch()
+    assert x.device.type == y.device.type == "meta"
+
+
+def test_close_and_exit_stop_the_thread_and_keep_the_position(byte_tokenizer, four_docs):
+    """
+    close() (and the interpreter-exit hook) stop the prefetch thread; the loader then continues exactly where the
+    caller was, not where the thread had read to. Catches a thread left running at exit (an abort in finalisation)
+    and a close that loses the batches the thread produced ahead.
+    """
+    from nanotrain import dataloader
+    sync = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
+    want = [sync.next_batch()[0].tolist() for _ in range(4)]
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, prefetch=2)
+    got = [loader.next_batch()[0].tolist() for _ in range(2)]
+    thread = loader._thread
+    loader.close()
+    assert loader._thread is None and not thread.is_alive()
+    got += [loader.next_batch()[0].tolist()]
+    dataloader._stop_prefetch_threads()
+    assert not loader._thread.is_alive()
+    loader._thread = None  # its stop event is set: a new thread starts on demand (as close() leaves it)
+    loader.load_state_dict(loader._state)
+    got += [loader.next_batch()[0].tolist()]
+    assert got == want
+
+
+def test_conversation_stream_seed_shuffle_and_errors():
+    """The seed and shuffle settings reach the order (shuffle=False: the given order, the default shuffles), and a
+    stream without tokens is refused. Catches the seed or shuffle argument dropped."""
+    convs = [[i] for i in range(30)]
+    first = lambda **kw: ConversationTokenStream(convs, 1, 29, **kw).next_batch()[0].flatten().tolist()
+    assert first(shuffle=False) == list(range(29))
+    assert first(seed=1) != first(seed=2) and first() != list(range(29))
+    with pytest.raises(ValueError, match="^ConversationTokenStream: no tokens$"):
+        ConversationTokenStream([[], []], 1, 2)

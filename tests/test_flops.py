@@ -70,16 +70,15 @@ def test_estimate_flops_matches_flop_counter(name):
 def test_attention_term_grows_with_sequence_length():
     """
     The attention FLOPs per token grow linearly with T: the counted bmm FLOPs per token at 2T are twice those at T,
-    and equal 12 * n_layer * n_head * head_dim * T. Catches an attention term that ignores T or counts T^2 per token.
+    and equal the hand count for depth 2 (1 head of 128): Q K^T and A V cost 2 * T * 128 each per token in the
+    forward, x3 with the backward, x2 layers: 3072 * T, i.e. 49,152 at T=16 and 98,304 at T=32. Catches an attention
+    term that ignores T or counts T^2 per token; the same literals pin estimate_flops()'s attention term.
     """
-    per_token = []
-    for T in (16, 32):
+    for T, want in ((16, 49_152), (32, 98_304)):
         torch.manual_seed(0)
-        model = GPT(config_from_depth(2, 300, T))
+        model = GPT(config_from_depth(2, 300, T, value_embeds=False))  # (the gates' matmuls would add 6 x 12)
         model.init_weights()
         _, by_op = counted_flops(model, 2)
         bmm = sum(v for k, v in by_op.items() if "bmm" in str(k))
-        c = model.config
-        assert bmm / (2 * T) == 12 * c.n_layer * c.n_head * model.head_dim * T
-        per_token.append(bmm / (2 * T))
-    assert per_token[1] == 2 * per_token[0]
+        assert bmm / (2 * T) == want
+        assert model.estimate_flops() - 6 * 393_216 - 6 * 38_400 == want  # 6 x (blocks + lm_head weights) + attention

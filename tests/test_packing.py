@@ -16,10 +16,12 @@ from nanotrain.sft_data import (
     IGNORE_INDEX,
     ConversationSampler,
     conversation_xy,
+    epoch_order,
     fit_conversation,
     lpt_pack,
     micro_batch,
     pack_conversations,
+    pad_conversations,
 )
 
 pytestmark = pytest.mark.unit
@@ -233,3 +235,72 @@ def test_flash_varlen_matches_sdpa_mask():
         finally:
             gpt_module.flash_attn_varlen_func = saved
     assert abs(flash - sdpa) <= 1e-2 * abs(sdpa)
+
+
+def test_lpt_pack_literal_plans():
+    """
+    Plans worked out by hand. Equal loads go to the lowest rank first; a rank at max_items is skipped while another
+    rank still has room; padded=False counts tokens (4 + 1 + 1 + 1 = 7 fits one budget of 7) where padded=True counts
+    rows x longest (2 x 4 > 7: the 4 goes alone). Catches a full rank that closes the micro-batch for every rank,
+    the padded cost used for packed rows (3x the micro-batches), and a tie rule that changes the plan between runs.
+    """
+    assert lpt_pack([2, 2], 10, world_size=2) == [[[0], [1]]]
+    assert lpt_pack([1, 1, 1], 10, world_size=2, max_items=1) == [[[0], [1]], [[2], []]]
+    assert lpt_pack([4, 1, 1, 1], 7) == [[[0, 1, 2, 3]]]
+    assert lpt_pack([4, 1, 1, 1], 7, padded=True) == [[[0]], [[1, 2, 3]]]
+    assert lpt_pack([], 7) == []
+
+
+def test_sft_data_errors_name_the_problem():
+    """The ValueErrors users meet name what is wrong (policy, max_len, the empty list, the item, the sizes, the
+    sampler state). Catches a bare or empty message."""
+    with pytest.raises(ValueError, match=r"long_conversations='crop': expected one of \('truncate', 'drop'\)"):
+        fit_conversation([1, 2], [0, 1], 6, "crop")
+    with pytest.raises(ValueError, match="max_len=1: a conversation needs at least 2 tokens"):
+        fit_conversation([1, 2], [0, 1], 1)
+    assert fit_conversation([1, 2], [0, 1], 2) == ([1, 2], [0, 1], "ok")  # 2 tokens: the smallest allowed max_len
+    with pytest.raises(ValueError, match="^pack_conversations: no conversation$"):
+        pack_conversations([])
+    with pytest.raises(ValueError, match="^pad_conversations: no conversation$"):
+        pad_conversations([], pad_id=0)
+    with pytest.raises(ValueError, match=r"lpt_pack: max_tokens=0 and world_size=1 must be >= 1"):
+        lpt_pack([1], 0)
+    with pytest.raises(ValueError, match=r"lpt_pack: max_tokens=5 and world_size=0 must be >= 1"):
+        lpt_pack([1], 5, world_size=0)
+    with pytest.raises(ValueError, match=r"lpt_pack: item 1 has 0 tokens; expected 1..max_tokens=5"):
+        lpt_pack([1, 0], 5)
+    with pytest.raises(ValueError, match="ConversationSampler: num_items=0, expected >= 1"):
+        ConversationSampler(0)
+    with pytest.raises(ValueError, match=r"sampler state \{'epoch': -1, 'offset': 0\} does not fit 3 items"):
+        ConversationSampler(3).load_state_dict({"epoch": -1, "offset": 0})
+    with pytest.raises(ValueError, match="does not fit 3 items"):
+        ConversationSampler(3).load_state_dict({"epoch": 0, "offset": 4})
+
+
+def test_sampler_literal_orders_and_states():
+    """
+    One item: every take returns it and each one is an epoch; unshuffled: 0..n-1 in order; a saved (epoch, n) loads
+    as (epoch + 1, 0); the seed and the shuffle setting reach the order. Catches num_items=1 refused, the seed or
+    shuffle argument dropped (every run the same order, or a shuffle that cannot be turned off), and an epoch-end
+    state that repeats the epoch.
+    """
+    one = ConversationSampler(1)
+    assert one.take(3) == [0, 0, 0] and one.state_dict() == {"epoch": 3, "offset": 0}
+    plain = ConversationSampler(5, shuffle=False)
+    assert plain.take(7) == [0, 1, 2, 3, 4, 0, 1] and plain.state_dict() == {"epoch": 1, "offset": 2}
+    s = ConversationSampler(4)
+    s.load_state_dict({"epoch": 2, "offset": 4})
+    assert s.state_dict() == {"epoch": 3, "offset": 0}
+    orders = {tuple(ConversationSampler(20, seed=seed).take(20)) for seed in (1, 2)}
+    assert len(orders) == 2 and all(sorted(o) == list(range(20)) for o in orders)
+    assert ConversationSampler(20, seed=1).take(20) == epoch_order(20, 1, 0)
+
+
+def test_batches_land_on_the_requested_device():
+    """pack_conversations, pad_conversations and the empty micro-batch put their tensors on `device` (the meta
+    device here stands in for CUDA, whose path the CPU suite cannot run). Catches a device argument dropped."""
+    convs = [([1, 2, 3], [0, 1, 1]), ([4, 5], [1, 1])]
+    assert {t.device.type for t in pack_conversations(convs, "meta")} == {"meta"}
+    assert {t.device.type for t in pad_conversations(convs, 0, "meta")} == {"meta"}
+    empty = micro_batch([], packing=True, pad_id=0, device="meta")
+    assert empty["x"].device.type == empty["y"].device.type == "meta" and empty["x"].dtype == torch.int64

@@ -1,4 +1,5 @@
-"""Tests of nanotrain.training: gradient accumulation in base_train's step, the lr schedule, the metrics log."""
+"""Tests of nanotrain.training: gradient accumulation in base_train's step, the metrics log (the lr and momentum
+schedules as literal tables: tests/test_schedule_oracles.py)."""
 
 import json
 from contextlib import nullcontext
@@ -7,7 +8,7 @@ import pytest
 import torch
 from conftest import grads, rel, tiny_model
 
-from nanotrain.training import MetricsLog, forward_backward, lr_multiplier, muon_momentum
+from nanotrain.training import MetricsLog, forward_backward, muon_momentum
 
 pytestmark = pytest.mark.unit
 
@@ -41,22 +42,6 @@ def test_forward_backward_rejects_ragged_split():
     with pytest.raises(ValueError):
         forward_backward(model, torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long), 4,
                          nullcontext())
-
-
-@pytest.mark.parametrize("total,warmup,warmdown", [(100, 0.0, 0.2), (10, 0.1, 0.5), (7, 0.3, 0.3)])
-def test_lr_multiplier_formula(total, warmup, warmdown):
-    """The multiplier at optimizer step k follows the trapezoid: warmup, 1.0, then linear decay to final_lr_frac."""
-    w, d = round(warmup * total), round(warmdown * total)
-    for k in range(total):
-        got = lr_multiplier(k, total, warmup, warmdown, 0.1)
-        if k < w:
-            want = (k + 1) / w
-        elif k <= total - d:
-            want = 1.0
-        else:
-            want = (total - k) / d + (1 - (total - k) / d) * 0.1
-        assert got == pytest.approx(want)
-    assert lr_multiplier(total, total, warmup, warmdown, 0.1) == pytest.approx(0.1 if d else 1.0)
 
 
 def test_muon_momentum_ramp():
