@@ -49,7 +49,7 @@ class GPTConfig:
     model_dim: int = 768
     # architecture options; the defaults are the measured winners (README, "Ablations": each one on and off)
     value_embeds: bool = True  # token-indexed tables added to V through a per-head gate, on alternating layers
-    smear: bool = False  # a gated share of the previous token's embedding added to each token's
+    smear: bool = True  # a gated share of the previous token's embedding added to each token's
     backout: bool = False  # subtract a learned share of the middle layer's output before the head
     x0_lambdas: bool = False  # before every block x <- resid_lambda * x + x0_lambda * x0 (x0: the embedding)
     rotary_base: float = 10000.0  # base of the rotary frequencies

@@ -372,16 +372,16 @@ def hand_shapes(vocab, dim, n_layer, n_head, n_kv_head):
 
 def test_parameter_shapes_and_counts_by_hand():
     """
-    With the value embeddings off (the nanochat v1 model; test_gpt.py counts them), every parameter's name and shape
+    With value embeddings and smear off (the nanochat v1 model; test_gpt.py counts them), every parameter's name and shape
     equals the hand-written module list, and num_params() the sum, worked out:
     depth 2 (dim 128, 1 head of 128), vocab 300: per block 4 * 128^2 + 2 * 4 * 128^2 = 196,608, two blocks 393,216,
     wte + lm_head 2 * 300 * 128 = 76,800: 470,016. GQA (dim 64, 4 heads of 16, 2 kv heads), 3 blocks, vocab 500:
     per block 4096 + 2 * 2048 + 4096 + 2 * 16384 = 45,056, x3 = 135,168, + 2 * 32,000 = 199,168. Catches biases,
     tied embeddings, k/v sized with n_head under GQA and a wrong MLP width.
     """
-    for config, total in [(config_from_depth(2, 300, 16, value_embeds=False), 470_016),
+    for config, total in [(config_from_depth(2, 300, 16, value_embeds=False, smear=False), 470_016),
                           (GPTConfig(max_seq_len=48, vocab_size=500, n_layer=3, n_head=4, n_kv_head=2, model_dim=64,
-                                     value_embeds=False), 199_168)]:
+                                     value_embeds=False, smear=False), 199_168)]:
         with torch.device("meta"):
             model = GPT(config)
         got = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -392,7 +392,7 @@ def test_parameter_shapes_and_counts_by_hand():
 
 def test_flops_per_token_golden_values():
     """
-    estimate_flops() of the nanochat v1 model (value embeddings off) against values with a source: nanochat's d20
+    estimate_flops() of the nanochat v1 model (value embeddings and smear off) against values with a source: nanochat's d20
     speedrun report card (karpathy/nanochat,
     report.md, "Base model training": "Number of parameters: 560,988,160", "Number of FLOPs per token:
     3.491758e+09") and, for the GQA model above, a hand count: 6 FLOPs per weight of the 167,168 matmul weights
@@ -401,9 +401,9 @@ def test_flops_per_token_golden_values():
     1,113,600. Catches counting the embedding, counting attention with n_kv_head, or forward-only FLOPs.
     """
     with torch.device("meta"):
-        d20 = GPT(config_from_depth(20, 65536, 2048, value_embeds=False))
+        d20 = GPT(config_from_depth(20, 65536, 2048, value_embeds=False, smear=False))
         gqa = GPT(GPTConfig(max_seq_len=48, vocab_size=500, n_layer=3, n_head=4, n_kv_head=2, model_dim=64,
-                            value_embeds=False))
+                            value_embeds=False, smear=False))
     assert d20.num_params() == 560_988_160
     assert f"{d20.estimate_flops():.6e}" == "3.491758e+09"
     assert gqa.estimate_flops() == 1_113_600
