@@ -104,7 +104,8 @@ class KVCache:
     """
     Preallocated keys/values for generation. k_cache, v_cache: (n_layer, batch_size, n_kv_head, max_len, head_dim)
     of `dtype` on `device`; `pos` is the number of tokens already stored. A forward with the cache inserts its T new
-    tokens at `pos` in every layer and `pos` advances by T after the last layer.
+    tokens at `pos` in every layer and `pos` advances by T after the last layer. prev_embedding: the last token's
+    normed embedding (B, 1, model_dim) of the previous forward, or None; GPT.smear reads and sets it.
     """
 
     def __init__(self, batch_size, n_kv_head, head_dim, n_layer, max_len, device, dtype):
@@ -112,7 +113,7 @@ class KVCache:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
-        self.prev_embedding = None  # (B, 1, model_dim): the last token's embedding, for GPT.smear
+        self.prev_embedding = None
 
     def reset(self):
         """Forgets the stored tokens (the memory is reused)."""

@@ -4,7 +4,10 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - QK norm (applied after rotary, as nanochat does), parameter-free RMSNorm (F.rms_norm), norm after the embedding
 - pre-norm blocks, no biases, ReLU^2 MLP with 4x width (So et al. 2021, "Primer"), untied wte / lm_head
 - logit soft-cap 15 * tanh(logits / 15) in fp32 (Gemma 2 / modded-nanogpt), optional GQA (Ainslie et al. 2023)
-- zero-initialised output projections; Muon for block matrices, AdamW for embedding and lm_head.
+- zero-initialised output projections; Muon for block matrices, AdamW for the embeddings, lm_head and scalars.
+- options (GPTConfig; on by default where they won on our configs, README "Ablations"): value embeddings on every
+  other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear (default on), backout, x0 /
+  resid lambdas, rotary_base and qk_scale.
 - packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
   (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
   (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
@@ -170,7 +173,9 @@ class GPT(nn.Module):
     Decoder-only transformer (see the module docstring). Build on any device, including `torch.device("meta")`
     followed by `model.to_empty(device=...)`; then call init_weights(). Raises UserError for an inconsistent config
     (model_dim % n_head, n_head % n_kv_head, odd head_dim). Modules: wte, blocks[i].attn.{c_q,c_k,c_v,c_proj},
-    blocks[i].mlp.{c_fc,c_proj}, lm_head. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
+    blocks[i].mlp.{c_fc,c_proj}, lm_head; with the options: value_embeds[str(i)] and blocks[i].attn.ve_gate (value
+    embeddings), smear_gate and smear_lambda, backout_lambda, resid_lambdas and x0_lambdas ((n_layer,)); absent
+    options are None. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
 
     activation_checkpointing (attribute, default False; the scripts' --activation_checkpointing sets it on the built
     model before DDP / torch.compile): when True, a forward in training mode with grad enabled and without a KV cache
