@@ -38,11 +38,12 @@ def precision(dtype, device):
     torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).
     Raises UserError for anything but "", "bfloat16", "float32".
     """
-    fast_bf16 = device.type == "cuda" or (device.type == "cpu" and ns_dtype_for(device) == torch.bfloat16)
-    name = dtype or ("bfloat16" if fast_bf16 else "float32")
-    if name not in COMPUTE_DTYPES:
+    if not dtype:  # measured only when asked for (a given --dtype skips the CPU measurement)
+        fast_bf16 = device.type == "cuda" or (device.type == "cpu" and ns_dtype_for(device) == torch.bfloat16)
+        dtype = "bfloat16" if fast_bf16 else "float32"
+    if dtype not in COMPUTE_DTYPES:
         raise UserError(f"--dtype={dtype!r}: expected 'bfloat16', 'float32' or '' (auto)")
-    compute_dtype = COMPUTE_DTYPES[name]
+    compute_dtype = COMPUTE_DTYPES[dtype]
     ctx = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
     return compute_dtype, ctx
 
