@@ -5,6 +5,7 @@ the token loader's and the tokenizer's throughput on the same data. Prints ONE J
     python scripts/bench.py --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096
     python scripts/bench.py --depth=8 --max_seq_len=512 --device_batch_size=4 --total_batch_size=8192
     python scripts/bench.py --depth=4 --vs="--compile=True"          # A B B A A B ... interleaved; ratio per pair
+    python scripts/bench.py --depth=4 --profile=True                 # where the step's time goes (torch.profiler)
 
 The model and optimizers are built as in scripts/base_train.py (meta device, to_empty, init_weights,
 setup_optimizers) and every timed step is base_train's: the loader's next_batch, nanotrain.training.forward_backward,
@@ -35,6 +36,7 @@ import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, record_function
 
 from nanotrain.auto_batch_size import gpt_builder
 from nanotrain.common import (
@@ -78,6 +80,7 @@ seed = 42  # model init seed
 vs = ""  # a second configuration as --name=value overrides of this one, timed interleaved with it
 pairs = 6  # --vs: interleaved rounds
 pair_steps = 2  # --vs: timed steps per configuration per round
+profile = False  # time the steps under torch.profiler: the top ops go to stderr and a "profile" breakdown to the JSON
 config = configure(globals())
 # -----------------------------------------------------------------------------
 
@@ -171,11 +174,14 @@ class Setup:
         """One optimizer step exactly as base_train's loop runs it (loader, micro-steps, loss sync, update)."""
         synchronize(self.device)
         t0 = time.perf_counter()
-        x, y = self.loader.next_batch(self.cfg["device_batch_size"] * self.grad_accum_steps)
-        loss = forward_backward(self.model, x, y, self.cfg["device_batch_size"], self.autocast_ctx)
-        all_reduce_scalar(loss, "mean", self.device)  # the per-step .item() base_train does
-        optimizer_step(self.orig_model, self.optimizers, 1.0, muon_momentum(self.step_count), 1.0)
-        synchronize(self.device)
+        with record_function("loader"):
+            x, y = self.loader.next_batch(self.cfg["device_batch_size"] * self.grad_accum_steps)
+        with record_function("forward_backward"):
+            loss = forward_backward(self.model, x, y, self.cfg["device_batch_size"], self.autocast_ctx)
+            all_reduce_scalar(loss, "mean", self.device)  # the per-step .item() base_train does
+        with record_function("optimizer_step"):
+            optimizer_step(self.orig_model, self.optimizers, 1.0, muon_momentum(self.step_count), 1.0)
+            synchronize(self.device)
         self.step_count += 1
         return time.perf_counter() - t0
 
@@ -227,6 +233,30 @@ def tokenizer_throughput(tokenizer, train_files, num_threads=4, max_chars=1_000_
         n_tokens = sum(len(x) for x in ids)
     return {"chars_per_sec": chars / best, "tokens_per_sec": n_tokens / best, "docs": len(docs), "chars": chars,
             "tokens": n_tokens, "num_threads": num_threads}
+
+
+def profile_breakdown(prof, steps, top=20):
+    """
+    Where a profiled step's time goes, per optimizer step in seconds (host time: on CUDA the kernels' own time is in
+    the stderr table): "phases" (loader, forward, backward, optimizer_step; backward is the autograd engine's
+    evaluate_function events, forward the rest of forward_backward, which includes the head's gradients: the chunked
+    head loss computes them in its forward, nanotrain.head_loss) and the `top` ops by self time with their share
+    of all ops' self time and calls per step.
+    """
+    events = prof.key_averages()
+    by_key = {e.key: e for e in events}
+    backward = sum(e.cpu_time_total for e in events if e.key.startswith("autograd::engine::evaluate_function"))
+    phases = {k: by_key[k].cpu_time_total for k in ("loader", "forward_backward", "optimizer_step") if k in by_key}
+    phases["forward"] = phases.pop("forward_backward", 0) - backward
+    phases["backward"] = backward
+    ops = [e for e in events if e.key not in ("loader", "forward_backward", "optimizer_step")
+           and not e.key.startswith("autograd::engine::evaluate_function")]
+    total = sum(e.self_cpu_time_total for e in ops) or 1
+    ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {"phases_s_per_step": {k: v / 1e6 / steps for k, v in phases.items()},
+            "top_ops": [{"op": e.key, "self_s_per_step": e.self_cpu_time_total / 1e6 / steps,
+                         "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps}
+                        for e in ops[:top]]}
 
 
 def measure_peaks(device, dtypes, peaks):
@@ -298,6 +328,8 @@ def main():
     cfg_a = dict(config)
     check_config(cfg_a)
     cfg_b = None
+    if vs and profile:
+        raise UserError("--profile=True profiles one configuration: leave out --vs")
     if vs:
         args = shlex.split(vs)
         try:
@@ -325,7 +357,14 @@ def main():
         st.activate()
         warm.append([st.step() for _ in range(st.cfg["warmup_steps"])])
     times, ratios = [[] for _ in setups], []
-    if cfg_b is None:
+    prof = None
+    if cfg_b is None and profile:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            times[0] = [setups[0].step() for _ in range(steps)]
+        sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25), file=sys.stderr)
+    elif cfg_b is None:
         times[0] = [setups[0].step() for _ in range(steps)]
     else:
         for r in range(pairs):
@@ -357,6 +396,8 @@ def main():
     warnings = busy_machine_warnings(results, system)
     if cfg_b is None:
         out = dict(results[0], tokenizer=tok, system=system, warnings=warnings)
+        if prof is not None:
+            out["profile"] = profile_breakdown(prof, steps)
     else:
         out = {"a": results[0], "b": results[1], "tokenizer": tok, "system": system, "warnings": warnings,
                "vs": {"overrides": vs, "ratios": ratios, "median_ratio": statistics.median(ratios),

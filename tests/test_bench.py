@@ -40,8 +40,12 @@ def check_result(r, steps):
 
 @pytest.mark.smoke
 def test_bench_prints_one_json_object(base_dir):
-    """Two timed steps of a tiny config: stdout is exactly one JSON object with the documented schema."""
-    r = run_script("bench.py", *TINY, "--warmup_steps=1", "--steps=2", base_dir=base_dir)
+    """
+    Two timed steps of a tiny config, profiled: stdout is exactly one JSON object with the documented schema, and the
+    profile's phases add up to the measured step time (fails if backward is counted inside forward as well, or a
+    phase is left out).
+    """
+    r = run_script("bench.py", *TINY, "--warmup_steps=1", "--steps=2", "--profile=True", base_dir=base_dir)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # fails if anything else is printed on stdout
     check_result(out, 2)
@@ -54,6 +58,14 @@ def test_bench_prints_one_json_object(base_dir):
     assert sysinfo["device"] == "cpu" and sysinfo["torch"] and sysinfo["cpu_count"] >= 1
     assert len(sysinfo["load_avg_start"]) == 3
     assert isinstance(out["warnings"], list) and all(isinstance(w, str) for w in out["warnings"])
+    phases = out["profile"]["phases_s_per_step"]
+    assert set(phases) == {"loader", "forward", "backward", "optimizer_step"} and min(phases.values()) >= 0
+    st = out["step_time_s"]
+    mean_step = (st["min"] + st["max"]) / 2  # two steps
+    assert 0.85 * mean_step <= sum(phases.values()) <= 1.02 * mean_step, (phases, st)
+    ops = {o["op"] for o in out["profile"]["top_ops"]}
+    assert "aten::mm" in ops and sum(o["share"] for o in out["profile"]["top_ops"]) <= 1.0 + 1e-9
+    assert "aten::mm" in r.stderr  # the profiler's table
 
 
 @pytest.mark.smoke
@@ -82,6 +94,7 @@ def test_bench_vs_interleaves_two_configs(base_dir):
     (["--vs=--depht=3"], "--vs"),
     (["--total_batch_size=500"], "--total_batch_size=500"),
     (["--adamw=fast"], "--adamw"),
+    (["--profile=True", "--vs=--depth=1"], "--profile"),
 ])
 def test_bench_bad_settings_one_line_error(base_dir, args, fragment):
     """Bad settings exit 2 with one `error:` line naming the flag (no traceback)."""
