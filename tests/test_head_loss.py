@@ -207,3 +207,24 @@ def test_gpt_loss_and_gradients_equal_full_logits():
         assert rel(a, b) < 1e-5, name
     last = model(idx, last_only=True)
     assert last.shape == (2, 1, 300) and torch.allclose(last[:, 0], logits[:, -1], rtol=1e-5, atol=1e-6)
+
+
+def test_softcap_saturates_where_exp_overflows():
+    """
+    Logits far beyond the cap (|a| up to ~1e4, so exp(2a / c) overflows fp32 to inf on the CPU path) give the
+    naive path's loss and gradients: the cap saturates at +-c with zero slope. Fails on the textbook form
+    c * (e^(2a/c) - 1) / (e^(2a/c) + 1), which gives inf / inf = NaN there, and on a cap that forgets to divide by c
+    inside the exponential (its values leave [-c, c]).
+    """
+    hidden, weight, targets = inputs(24, 50, 16, ignored=False, logit_std=3000.0)
+    a = F.linear(hidden, weight).detach()
+    assert a.abs().max() > 45 * SOFTCAP  # exp(2 * 45) overflows fp32 (max ~3.4e38 = e^88.7)
+    got = loss_and_grads(lambda h, w, t, r: linear_cross_entropy(h, w, t, softcap=SOFTCAP, reduction=r, chunk_size=8),
+                         hidden, weight, targets, "mean", torch.tensor(1.0))
+    want = loss_and_grads(lambda h, w, t, r: naive(h, w, t, SOFTCAP, r), hidden, weight, targets, "mean",
+                          torch.tensor(1.0))
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert rel(g, w) < 1e-5
+    z = head_loss._chunk_logits(hidden.detach(), weight.detach(), SOFTCAP)
+    assert z.abs().max() <= SOFTCAP and z.abs().max() > SOFTCAP * (1 - 1e-6)
