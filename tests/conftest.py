@@ -83,6 +83,20 @@ def run_script(script, *args, base_dir, nproc=1, timeout=300, env=None):
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A gloo process group of one rank (this process, so in-process code takes its torch.distributed paths) and its
+    1-D CPU device mesh; the group is destroyed afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg_store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def byte_tokenizer():
     """A real nanotrain tokenizer without merges: every ASCII letter is one token (its byte), BOS is 256."""

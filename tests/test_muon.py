@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.muon import Muon, normalize_variance, zeropower_via_newtonschulz5
+from nanotrain.muon import Muon, normalize_variance, orthogonalize, zeropower_via_newtonschulz5
 
 pytestmark = pytest.mark.unit
 
@@ -245,3 +245,120 @@ def test_cautious_weight_decay_decays_only_where_the_update_agrees():
     assert 0 < agree.sum() < agree.numel()
     assert torch.equal(after[0.5][~agree], after[0.0][~agree])
     torch.testing.assert_close(after[0.5][agree], after[0.0][agree] - 0.1 * 0.5 * p0[agree])
+
+
+def test_defaults_are_plain_muon():
+    """
+    The documented defaults: Muon(params) is plain Muon (lr 0.02, momentum 0.95, Nesterov, 5 steps of the fixed
+    quintic, dtype chosen per device, no NorMuon, no weight decay), and orthogonalize(u) is 5 steps of the fixed
+    quintic. Catches a default that turns an option on (Polar Express, decay) or changes the lr or the step count.
+    """
+    opt = Muon([torch.nn.Parameter(torch.randn(4, 8))])
+    assert opt.defaults == dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="", polar_express=False,
+                                beta2=0.0, weight_decay=0.0)
+    G = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(orthogonalize(G, dtype=torch.float32),
+                       zeropower_via_newtonschulz5(G, 5, torch.float32, polar_express=False))
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(lr=-0.01), "lr=-0.01"), (dict(momentum=1.0), "momentum=1.0"), (dict(momentum=1.5), "momentum=1.5"),
+    (dict(momentum=-0.1), "momentum=-0.1"), (dict(weight_decay=-1.0), "weight_decay=-1.0"),
+    (dict(beta2=1.0), "beta2=1.0"), (dict(beta2=1.5), "beta2=1.5"), (dict(beta2=-0.5), "beta2=-0.5"),
+])
+def test_each_bad_setting_alone_is_refused_by_name(kwargs, fragment):
+    """
+    Each out-of-range setting, with every other one valid, raises ValueError naming it; the bounds momentum = 1 and
+    beta2 = 1 are refused (an EMA with factor 1 never moves). Catches checks joined with `and` instead of `or` (a
+    bad value passes when the others are fine), `<=` for `<` at the bounds, and a message without the values.
+    """
+    with pytest.raises(ValueError, match=fragment.replace(".", r"\.")):
+        Muon([torch.nn.Parameter(torch.randn(4, 8))], **kwargs)
+    with pytest.raises(ValueError, match="2-D"):
+        Muon([torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(3, 4, 5))])
+
+
+def test_a_polar_express_step_narrows_the_update():
+    """
+    One Muon step with polar_express=True from p = 0 (momentum 0, no Nesterov, lr 1) sets p = -update: its singular
+    values lie in Polar Express's band [0.8, 1.2], where the same step without it leaves the smallest below 0.75.
+    Catches the setting not reaching the orthogonalisation (dropped by the optimizer or by orthogonalize).
+    """
+    G = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    bands = {}
+    for pe in (True, False):
+        p = torch.nn.Parameter(torch.zeros(64, 128))
+        p.grad = G.clone()
+        Muon([p], lr=1.0, momentum=0.0, nesterov=False, ns_dtype="float32", polar_express=pe).step()
+        s = torch.linalg.svdvals(-p.detach())
+        bands[pe] = (s.min().item(), s.max().item())
+    assert 0.8 <= bands[True][0] and bands[True][1] <= 1.2, bands
+    assert bands[False][0] < 0.75, bands
+
+
+def test_normalize_variance_square_dtype_and_a_large_statistic():
+    """
+    NorMuon on a square 2 x 2 update evens out its rows (the longer-or-equal side: one statistic per row); a bf16
+    update comes back in bf16; and when the stored second moment is large (the normalised update's norm is below 1)
+    the result still has the update's own norm. [[3, 4], [0, 1]]: rows scaled to the same norm sqrt(26 / 2) = sqrt(13)
+    in their own directions: sqrt(13) * [0.6, 0.8] and [0, sqrt(13)]. Catches statistics per column for square
+    matrices (`>` for `>=`), a result left in fp32, and a rescale whose denominator is clamped at 1 instead of ~0.
+    """
+    u = torch.tensor([[3.0, 4.0], [0.0, 1.0]])
+    r = math.sqrt(13)
+    torch.testing.assert_close(normalize_variance(u, {}, beta2=0.5), torch.tensor([[0.6 * r, 0.8 * r], [0.0, r]]))
+    assert normalize_variance(u.bfloat16(), {}, beta2=0.5).dtype == torch.bfloat16
+    state = {"second_moment": torch.full((2, 1), 1e4)}
+    small = 0.01 * u  # ||small||_F = 0.051; divided by ~sqrt(1e4) its norm is ~5e-4
+    out = normalize_variance(small, state, beta2=0.99)
+    torch.testing.assert_close(out.norm(), small.norm())
+
+
+def test_ns_dtype_for_other_devices_and_the_2x_bar(monkeypatch):
+    """
+    ns_dtype_for: CUDA runs bf16 (no measurement, no GPU needed to ask), other non-CPU devices fp32; on CPU the bar is
+    bf16 >= 2x fp32 inclusive: exactly 2x and 2.9x pick bf16, 1.99x fp32. Catches a mistyped device name, a
+    missing dtype, `>` for `>=` and a 3x bar.
+    """
+    import nanotrain.muon as muon
+
+    monkeypatch.setattr(muon, "_NS_DTYPE", {})
+    assert muon.ns_dtype_for("cuda") == torch.bfloat16 and muon.ns_dtype_for(torch.device("cuda", 1)) == torch.bfloat16
+    assert muon.ns_dtype_for("meta") == torch.float32
+    for speed, expected in ((2.0, torch.bfloat16), (2.9, torch.bfloat16), (1.99, torch.float32)):
+        monkeypatch.setattr(muon, "_NS_DTYPE", {})
+        monkeypatch.setattr(muon, "measure_matmul_flops",
+                            lambda dtype, n, s, f=speed: 1e11 * (f if dtype == torch.bfloat16 else 1.0))
+        assert muon.ns_dtype_for("cpu") == expected, speed
+
+
+def test_orthogonalize_a_dtensor_whole_then_cut_back(one_rank_mesh, monkeypatch):
+    """
+    orthogonalize of a DTensor sharded on dim 0 (FSDP2's layout; one rank here) gives a DTensor with the same
+    placements whose full tensor is bit-identical to the plain matrix's, for a tall and a wide update, with and without
+    Polar Express; `then` receives the whole orthogonalised matrix as a plain tensor; the ranks' CPU dtype agreement
+    (ns_dtype_for under a process group) names a valid device. Catches the DTensor path skipped (DTensor ops all the
+    way: `then` would get a DTensor), an argument dropped or defaulted on that path (steps, dtype, Polar Express),
+    `then` skipped or given the wrong tensor, and a result not cut back to the update's placements.
+    """
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    import nanotrain.muon as muon
+
+    seen = []
+
+    def then(u):
+        seen.append(type(u))
+        return 2 * u
+
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((12, 8), (8, 12)):
+        G = torch.randn(*shape, generator=gen)
+        for pe in (False, True):
+            want = 2 * zeropower_via_newtonschulz5(G, 5, torch.float32, polar_express=pe)
+            got = orthogonalize(distribute_tensor(G, one_rank_mesh, [Shard(0)]), 5, torch.float32, pe, then)
+            assert isinstance(got, DTensor) and got.placements == (Shard(0),)
+            assert torch.equal(got.full_tensor(), want), (shape, pe)
+    assert seen and all(t is torch.Tensor for t in seen), seen
+    monkeypatch.setattr(muon, "_NS_DTYPE", {})
+    assert muon.ns_dtype_for("cpu") in (torch.float32, torch.bfloat16)  # the collective ran on a real device

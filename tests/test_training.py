@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import grads, rel, tiny_model
 
+from nanotrain.muon import Muon
 from nanotrain.training import MetricsLog, forward_backward, muon_momentum
 
 pytestmark = pytest.mark.unit
@@ -106,3 +107,297 @@ def test_grad_accum_steps_and_the_batch_arithmetic_error():
     assert "--device_batch_size in [1, 2, 4] (divisors of 4096 / (256 * 1) = 16)" in str(e.value)
     with pytest.raises(UserError, match="must be positive"):
         grad_accum_steps_for(4096, 0, 256, 1)
+
+
+# ----------------------------------------------------------------------------- the loop's small pieces, by hand
+
+def test_forward_backward_returns_the_mean_loss_of_all_rows():
+    """
+    The returned loss over 8 rows in 2 micro-batches equals the model's mean loss on all 8 rows at once (computed
+    directly, no accumulation). Catches a running sum that subtracts, or a mean over the micro-batches' count
+    missing; the ragged-split error names both numbers.
+    """
+    torch.manual_seed(2)
+    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
+    model = tiny_model()
+    with torch.no_grad():
+        want = model(x, y).item()
+    got = forward_backward(model, x, y, 4, nullcontext())
+    assert got.shape == () and abs(got.item() - want) < 1e-6
+    with pytest.raises(ValueError, match="6 rows do not split into micro-batches of 4"):
+        forward_backward(model, x[:6], y[:6], 4, nullcontext())
+
+
+def test_forward_backward_syncs_gradients_only_in_the_last_micro_step(one_rank_mesh, monkeypatch):
+    """
+    Under DDP (one gloo rank) require_backward_grad_sync is False for every micro-step but the last (seen by a
+    forward hook: [False, False, True] for 3 micro-steps); under FSDP2 set_requires_gradient_sync gets the same
+    sequence; afterwards the FSDP model's replica check is skipped with a note. Catches syncing every micro-step,
+    none, or the wrong one (an off-by-one in "last").
+    """
+    from nanotrain.fsdp import shard_model
+    from nanotrain.training import check_replicas
+
+    x, y = torch.randint(0, 64, (6, 16)), torch.randint(0, 64, (6, 16))
+    ddp = torch.nn.parallel.DistributedDataParallel(tiny_model())
+    seen = []
+    ddp.module.register_forward_pre_hook(lambda m, a: seen.append(ddp.require_backward_grad_sync))
+    forward_backward(ddp, x, y, 2, nullcontext())
+    assert seen == [False, False, True]
+    fsdp = shard_model(tiny_model(), torch.device("cpu"), torch.float32)
+    calls, real = [], fsdp.set_requires_gradient_sync
+    monkeypatch.setattr(fsdp, "set_requires_gradient_sync", lambda flag: (calls.append(flag), real(flag))[1])
+    forward_backward(fsdp, x, y, 2, nullcontext())
+    assert calls == [False, False, True]
+    assert check_replicas(fsdp) is None
+
+
+def test_optimizer_step_sets_lr_and_momentum_clips_and_drops_the_gradients():
+    """
+    Hand-worked: gradients [[3, 0], [0, 0]] (Muon) and [0, 4] (SGD, lr 0.1) have global norm 5. With lrm 0.5 and
+    grad_clip 1 the SGD step is -0.05 * [0, 4] / 5 = [0, -0.04]; without clipping -0.05 * [0, 4] = [0, -0.2]. Each
+    group's lr becomes initial_lr * lrm, Muon's momentum the given one (SGD's own momentum setting is left alone),
+    the norm returned is the one before clipping, and the gradients are dropped (None). A non-finite norm changes
+    nothing and drops the gradients. Catches clipping with the wrong norm or not at all, lr not rescaled from
+    initial_lr, momentum written into every optimizer, the clipped norm returned, gradients kept for the next step.
+    """
+    from nanotrain.training import optimizer_step
+
+    def setup():
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.zeros(2, 2))
+        model.b = torch.nn.Parameter(torch.zeros(2))
+        muon = Muon([model.w], lr=0.2, momentum=0.5, ns_dtype="float32")
+        sgd = torch.optim.SGD([model.b], lr=0.1)
+        for opt in (muon, sgd):
+            for group in opt.param_groups:
+                group["initial_lr"] = group["lr"]
+        model.w.grad = torch.tensor([[3.0, 0.0], [0.0, 0.0]])
+        model.b.grad = torch.tensor([0.0, 4.0])
+        return model, muon, sgd
+
+    for clip, moved in ((1.0, -0.04), (0.0, -0.2)):
+        model, muon, sgd = setup()
+        norm = optimizer_step(model, [muon, sgd], 0.5, 0.9, clip)
+        assert norm.dtype == torch.float32 and abs(norm.item() - 5.0) < 1e-6
+        torch.testing.assert_close(model.b.detach(), torch.tensor([0.0, moved]))
+        assert muon.param_groups[0]["lr"] == pytest.approx(0.1) and sgd.param_groups[0]["lr"] == pytest.approx(0.05)
+        assert muon.param_groups[0]["momentum"] == 0.9 and sgd.param_groups[0]["momentum"] == 0
+        w = model.w.detach()
+        assert w[0, 0] < 0 and torch.count_nonzero(w) == 1  # Muon moved only the entry with a gradient
+        assert model.w.grad is None and model.b.grad is None
+    model, muon, sgd = setup()
+    model.b.grad[0] = float("nan")
+    norm = optimizer_step(model, [muon, sgd], 0.5, 0.9, 1.0)
+    assert not torch.isfinite(norm)
+    assert torch.count_nonzero(model.w) == 0 and torch.count_nonzero(model.b) == 0
+    assert muon.param_groups[0]["lr"] == 0.2 and muon.param_groups[0]["momentum"] == 0.5
+    assert model.w.grad is None and model.b.grad is None
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_check_finite_names_the_step_and_the_run(value):
+    """A NaN or infinite loss/grad norm is one UserError naming what, the value, the step and the checkpoints' place;
+    finite values (0, large) pass. Catches a check that lets -inf through or forgets the step."""
+    from nanotrain.common import UserError
+    from nanotrain.training import check_finite
+
+    check_finite(0.0, 3, "/runs/x")
+    check_finite(1e30, 3, "/runs/x")
+    with pytest.raises(UserError, match=rf"non-finite grad norm {value} at step 7; .* /runs/x/checkpoints is intact"):
+        check_finite(value, 7, "/runs/x", what="grad norm")
+    with pytest.raises(UserError, match="non-finite loss"):
+        check_finite(value, 7, "/runs/x")
+
+
+def test_step_log_line_by_hand():
+    """
+    Step 5 of 10, loss 2.5, grad norm 0.5, lrm 0.75, 12 s for 24,000 tokens on 5 devices of 1e10 FLOP/s at 5e6
+    FLOPs/token: 2,000 tokens/s, MFU 5e6 * 2,000 / (5 * 1e10) = 20%, eta 5 steps * 12 s = 1.0 min. Without a grad
+    norm the field is left out. Catches MFU not divided by the world size, tokens/s or eta from the wrong
+    quantities, and wrong units (ms, %, minutes).
+    """
+    from nanotrain.training import step_log_line
+
+    kw = dict(loss=2.5, lrm=0.75, dt=12.0, tokens=24_000, flops_per_token=5e6, peak_flops=1e10, world_size=5)
+    line, row = step_log_line(5, 10, grad_norm=0.5, **kw)
+    assert line == ("step 00005/00010 (50.0%) | loss 2.500000 | grad norm 0.500 | lrm 0.750 | dt 12000.0ms | "
+                    "tok/s 2,000 | mfu 20.0% | eta 1.0m")
+    assert row == dict(step=5, loss=2.5, lrm=0.75, dt=12.0, tok_per_sec=2000.0, mfu=pytest.approx(0.2))
+    line, _ = step_log_line(9, 10, grad_norm=None, **kw)
+    assert line.startswith("step 00009/00010 (90.0%) | loss 2.500000 | lrm 0.750 |") and line.endswith("eta 0.2m")
+
+
+def test_precision_resolves_the_dtype_setting(monkeypatch):
+    """
+    --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as measured by ns_dtype_for), fp32 and
+    no autocast on a slow-bf16 CPU and on other devices; an explicit dtype is used without measuring; anything else
+    is a UserError naming --dtype. Catches a measurement made for an explicit dtype, autocast left on for fp32, and
+    a CUDA default that depends on the CPU's measurement.
+    """
+    import warnings
+
+    import nanotrain.training as training
+    from nanotrain.common import UserError
+
+    for measured, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
+        monkeypatch.setattr(training, "ns_dtype_for", lambda device, m=measured: m)
+        dtype, ctx = training.precision("", torch.device("cpu"))
+        assert dtype == want
+        if want == torch.bfloat16:
+            assert isinstance(ctx, torch.autocast) and ctx.device == "cpu" and ctx.fast_dtype == torch.bfloat16
+        else:
+            assert isinstance(ctx, nullcontext)
+
+    def refuse(device):
+        raise AssertionError("measured")
+    monkeypatch.setattr(training, "ns_dtype_for", refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # autocast warns that CUDA is not available; only its settings are checked
+        dtype, ctx = training.precision("", torch.device("cuda"))
+    assert dtype == torch.bfloat16 and ctx.device == "cuda" and ctx.fast_dtype == torch.bfloat16
+    assert training.precision("", torch.device("mps"))[0] == torch.float32
+    assert training.precision("float32", torch.device("cpu"))[0] == torch.float32
+    dtype, ctx = training.precision("bfloat16", torch.device("cpu"))
+    assert dtype == torch.bfloat16 and ctx.fast_dtype == torch.bfloat16
+    with pytest.raises(UserError, match="--dtype='float16'"):
+        training.precision("float16", torch.device("cpu"))
+
+
+def test_resolve_compile_defaults_per_device(monkeypatch):
+    """--compile unset: on for CUDA, off elsewhere; set: as given; the C++ toolchain is checked exactly when compiling.
+    Catches the CUDA default applied to CPU, a forced setting ignored, a toolchain check skipped or made when off."""
+    import nanotrain.training as training
+
+    checked = []
+    monkeypatch.setattr(training, "check_compile_toolchain", lambda device: checked.append(device.type))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [training.resolve_compile(None, cpu), training.resolve_compile(None, cuda),
+            training.resolve_compile(True, cpu), training.resolve_compile(False, cuda),
+            training.resolve_compile(0, cpu)] == [False, True, True, False, False]
+    assert checked == ["cuda", "cpu"]
+
+
+def test_open_and_finish_a_run_write_config_metrics_and_report(tmp_path, monkeypatch, capsys):
+    """
+    open_run_log prints the run directory and the sorted settings, writes config.json and returns the metrics log;
+    finish_run prints the summary and the outputs, closes the log and writes the stage's report section with the wall
+    time since t_start (100 s ago here). A non-master rank writes no config.json and logs nothing. A refused
+    metrics.jsonl (a bad row) stops open_run_log before config.json changes. Catches config written by every rank,
+    written before the metrics check, the wall time measured from the wrong start, the log left open.
+    """
+    import time
+
+    from nanotrain.common import UserError
+    from nanotrain.training import finish_run, open_run_log
+
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    run_dir = tmp_path / "base" / "r1"
+    run_dir.mkdir(parents=True)
+    metrics = open_run_log(str(run_dir), {"b": 2, "a": 1}, None, True)
+    out = capsys.readouterr().out
+    assert f"Run directory: {run_dir}\n" in out and 'Config: {"a": 1, "b": 2}\n' in out
+    assert json.loads((run_dir / "config.json").read_text()) == {"a": 1, "b": 2}
+    metrics.log(step=1, loss=3.0, dt=0.5, tok_per_sec=10.0, mfu=0.1)
+    finish_run(torch.nn.Linear(2, 2), str(run_dir), "base", metrics, time.time() - 100, "Done: 1 step")
+    out = capsys.readouterr().out
+    assert "Done: 1 step\n" in out and f"Outputs: {run_dir} (base dir {tmp_path})" in out and "Report card: " in out
+    assert metrics.file.closed
+    section = json.loads((tmp_path / "report" / "r1" / "base.json").read_text())
+    assert 100 <= section["extra"]["wall_time_s"] < 130
+    other = tmp_path / "base" / "r2"
+    other.mkdir()
+    log = open_run_log(str(other), {"a": 1}, None, False)
+    log.log(step=1, loss=1.0)
+    log.close()
+    assert sorted(p.name for p in other.iterdir()) == []
+    (run_dir / "metrics.jsonl").write_text('[1, 2]\n{"step": 1, "dt": 0.1}\n')
+    before = (run_dir / "config.json").read_text()
+    with pytest.raises(UserError, match=r"metrics.jsonl:1: expected a JSON object"):
+        open_run_log(str(run_dir), {"a": 3}, 1, True)
+    assert (run_dir / "config.json").read_text() == before
+
+
+def test_check_replicas_checksum_by_hand(one_rank_mesh, monkeypatch, capsys):
+    """
+    Without torch.distributed: None. With a process group (one rank): the checksum of parameters [1, 2, 3] and
+    [[4]] weighted by linspace(1, 2, n) per parameter is 1 + 2 * 1.5 + 3 * 2 + 4 * 1 = 14, printed as identical on
+    all ranks; ranks reporting different sums raise RuntimeError with the sums. Catches an unweighted sum (10: two
+    swapped entries would pass), weights over the concatenation instead of per parameter, a check that never raises.
+    """
+    import torch.distributed as dist
+
+    from nanotrain.training import check_replicas
+
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    model.b = torch.nn.Parameter(torch.tensor([[4.0]]))
+    assert check_replicas(model) == 14.0
+    assert "parameters identical on all 1 ranks (checksum 1.4000000000e+01)" in capsys.readouterr().out
+
+    def two_ranks_differ(out, value):
+        out[0].copy_(value)
+        out[1].copy_(value + 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "all_gather", two_ranks_differ)
+    with pytest.raises(RuntimeError, match=r"parameters differ across ranks: checksums \[14.0, 15.0\]"):
+        check_replicas(model)
+
+
+def test_check_replicas_without_a_process_group_is_a_no_op():
+    from nanotrain.training import check_replicas
+    assert check_replicas(torch.nn.Linear(2, 2)) is None
+
+
+def test_metrics_log_keeps_bytes_names_lines_and_rejects_rows(tmp_path):
+    """
+    On resume: a row with bytes that are not UTF-8 survives byte for byte (surrogateescape both ways); a kept last
+    row without its newline gets one, so the next row starts a line; a row whose "step" is not an int, or a JSON
+    value that is not an object, is refused naming file:line (1-based) and changing nothing; a non-master log
+    writes nothing. Catches strict decoding or encoding, rows glued on one line, line numbers from 0 or 2, a check
+    that accepts any dict, and a non-master log that tries to write.
+    """
+    from nanotrain.common import UserError
+
+    path = tmp_path / "metrics.jsonl"
+    raw = b'{"step": 1, "note": "\xff\xfe"}\n{"step": 2, "loss": 1.0, "dt": 0.1}'
+    path.write_bytes(raw)
+    log = MetricsLog(str(tmp_path), resume_step=3)
+    log.log(step=3, loss=0.5)
+    log.close()
+    data = path.read_bytes()
+    assert data.startswith(raw + b"\n")
+    assert [json.loads(ln)["step"] for ln in data.decode("utf-8", "surrogateescape").splitlines()] == [1, 2, 3]
+    for bad in ('{"step": "2"}', '[2]'):
+        path.write_text('{"step": 1}\n' + bad + '\n{"step": 3}\n')
+        with pytest.raises(UserError, match=r"metrics.jsonl:2: expected a JSON object with an int \"step\", got "):
+            MetricsLog(str(tmp_path), resume_step=1)
+        assert path.read_text() == '{"step": 1}\n' + bad + '\n{"step": 3}\n'
+    quiet = MetricsLog(str(tmp_path / "rank1"), master=False)
+    quiet.log(step=1)
+    quiet.close()
+    assert not (tmp_path / "rank1").exists()
+
+
+def test_grad_accum_steps_bounds_and_suggestions():
+    """
+    Each size below 1 alone is refused; the result is an int; 384 tokens over 2 ranks of 256-token rows suggests
+    totals only (384 / (256 * 2) is not a whole number of rows, so no device batch size helps); 4096 tokens of
+    256-token rows with device_batch_size 20: 16 rows per step, the divisors nearest 20 are 16, 8, 4. Catches a
+    bound that skips one of the sizes, true division (2.0), `/` for `*` in the rows check, a divisor range that
+    misses n itself, and suggestions not ordered by distance.
+    """
+    from nanotrain.common import UserError
+    from nanotrain.training import grad_accum_steps_for
+
+    for args in ((0, 8, 256, 1), (4096, 8, 0, 1), (4096, 8, 256, 0), (-4096, 8, 256, 1)):
+        with pytest.raises(UserError, match="must be positive"):
+            grad_accum_steps_for(*args)
+    steps = grad_accum_steps_for(4096, 8, 256, 1)
+    assert steps == 2 and type(steps) is int
+    with pytest.raises(UserError) as e:
+        grad_accum_steps_for(384, 1, 256, 2)
+    assert str(e.value).endswith("nearest valid: --total_batch_size=512") and "--device_batch_size in" not in str(e.value)
+    with pytest.raises(UserError) as e:
+        grad_accum_steps_for(4096, 20, 256, 1)
+    assert str(e.value).endswith("--device_batch_size in [4, 8, 16] (divisors of 4096 / (256 * 1) = 16)")
