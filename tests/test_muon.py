@@ -257,8 +257,9 @@ def test_defaults_are_plain_muon():
     assert opt.defaults == dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="", polar_express=False,
                                 beta2=0.0, weight_decay=0.0)
     G = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(orthogonalize(G, dtype=torch.float32),
-                       zeropower_via_newtonschulz5(G, 5, torch.float32, polar_express=False))
+    plain = zeropower_via_newtonschulz5(G, 5, torch.float32, polar_express=False)
+    assert torch.equal(orthogonalize(G, dtype=torch.float32), plain)
+    assert torch.equal(orthogonalize(G, dtype=torch.float32, then=lambda u: u.flip(0)), plain.flip(0))  # then: applied
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -128,15 +128,16 @@ def test_forward_backward_returns_the_mean_loss_of_all_rows():
         forward_backward(model, x[:6], y[:6], 4, nullcontext())
 
 
-def test_forward_backward_syncs_gradients_only_in_the_last_micro_step(one_rank_mesh, monkeypatch):
+def test_forward_backward_syncs_gradients_only_in_the_last_micro_step(one_rank_mesh, monkeypatch, capsys):
     """
     Under DDP (one gloo rank) require_backward_grad_sync is False for every micro-step but the last (seen by a
     forward hook: [False, False, True] for 3 micro-steps); under FSDP2 set_requires_gradient_sync gets the same
-    sequence; afterwards the FSDP model's replica check is skipped with a note. Catches syncing every micro-step,
-    none, or the wrong one (an off-by-one in "last").
+    sequence; optimizer_step returns FSDP2's gradient norm as a plain tensor, and the FSDP model's replica check is
+    skipped with a note. Catches syncing every micro-step, none, or the wrong one (an off-by-one in "last"), and a
+    DTensor norm handed back to the loop.
     """
     from nanotrain.fsdp import shard_model
-    from nanotrain.training import check_replicas
+    from nanotrain.training import check_replicas, optimizer_step
 
     x, y = torch.randint(0, 64, (6, 16)), torch.randint(0, 64, (6, 16))
     ddp = torch.nn.parallel.DistributedDataParallel(tiny_model())
@@ -149,7 +150,14 @@ def test_forward_backward_syncs_gradients_only_in_the_last_micro_step(one_rank_m
     monkeypatch.setattr(fsdp, "set_requires_gradient_sync", lambda flag: (calls.append(flag), real(flag))[1])
     forward_backward(fsdp, x, y, 2, nullcontext())
     assert calls == [False, False, True]
+    sgd = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    sgd.param_groups[0]["initial_lr"] = 0.1
+    norm = optimizer_step(fsdp, [sgd], 1.0, 0.95, 1.0)  # FSDP2's norm is a DTensor: made plain
+    assert type(norm) is torch.Tensor and torch.isfinite(norm) and norm > 0
+    capsys.readouterr()
     assert check_replicas(fsdp) is None
+    assert "Replica check: skipped under FSDP (parameters are sharded across ranks, not replicated)" in \
+        capsys.readouterr().out
 
 
 def test_optimizer_step_sets_lr_and_momentum_clips_and_drops_the_gradients():
@@ -212,17 +220,17 @@ def test_check_finite_names_the_step_and_the_run(value):
 
 def test_step_log_line_by_hand():
     """
-    Step 5 of 10, loss 2.5, grad norm 0.5, lrm 0.75, 12 s for 24,000 tokens on 5 devices of 1e10 FLOP/s at 5e6
-    FLOPs/token: 2,000 tokens/s, MFU 5e6 * 2,000 / (5 * 1e10) = 20%, eta 5 steps * 12 s = 1.0 min. Without a grad
+    Step 5 of 55, loss 2.5, grad norm 0.5, lrm 0.75, 12 s for 24,000 tokens on 5 devices of 1e10 FLOP/s at 5e6
+    FLOPs/token: 2,000 tokens/s, MFU 5e6 * 2,000 / (5 * 1e10) = 20%, eta 50 steps * 12 s = 10.0 min. Without a grad
     norm the field is left out. Catches MFU not divided by the world size, tokens/s or eta from the wrong
     quantities, and wrong units (ms, %, minutes).
     """
     from nanotrain.training import step_log_line
 
     kw = dict(loss=2.5, lrm=0.75, dt=12.0, tokens=24_000, flops_per_token=5e6, peak_flops=1e10, world_size=5)
-    line, row = step_log_line(5, 10, grad_norm=0.5, **kw)
-    assert line == ("step 00005/00010 (50.0%) | loss 2.500000 | grad norm 0.500 | lrm 0.750 | dt 12000.0ms | "
-                    "tok/s 2,000 | mfu 20.0% | eta 1.0m")
+    line, row = step_log_line(5, 55, grad_norm=0.5, **kw)
+    assert line == ("step 00005/00055 (9.1%) | loss 2.500000 | grad norm 0.500 | lrm 0.750 | dt 12000.0ms | "
+                    "tok/s 2,000 | mfu 20.0% | eta 10.0m")
     assert row == dict(step=5, loss=2.5, lrm=0.75, dt=12.0, tok_per_sec=2000.0, mfu=pytest.approx(0.2))
     line, _ = step_log_line(9, 10, grad_norm=None, **kw)
     assert line.startswith("step 00009/00010 (90.0%) | loss 2.500000 | lrm 0.750 |") and line.endswith("eta 0.2m")
@@ -241,7 +249,7 @@ def test_precision_resolves_the_dtype_setting(monkeypatch):
     from nanotrain.common import UserError
 
     for measured, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
-        monkeypatch.setattr(training, "ns_dtype_for", lambda device, m=measured: m)
+        monkeypatch.setattr(training, "ns_dtype_for", lambda device, m=measured: m if device.type == "cpu" else None)
         dtype, ctx = training.precision("", torch.device("cpu"))
         assert dtype == want
         if want == torch.bfloat16:
@@ -278,11 +286,11 @@ def test_resolve_compile_defaults_per_device(monkeypatch):
     assert checked == ["cuda", "cpu"]
 
 
-def test_open_and_finish_a_run_write_config_metrics_and_report(tmp_path, monkeypatch, capsys):
+def test_open_and_finish_a_run_write_config_metrics_and_report(one_rank_mesh, tmp_path, monkeypatch, capsys):
     """
     open_run_log prints the run directory and the sorted settings, writes config.json and returns the metrics log;
     finish_run prints the summary and the outputs, closes the log and writes the stage's report section with the wall
-    time since t_start (100 s ago here). A non-master rank writes no config.json and logs nothing. A refused
+    time since t_start (100 s ago here), after the replica check (under a process group of one rank). A non-master rank writes no config.json and logs nothing. A refused
     metrics.jsonl (a bad row) stops open_run_log before config.json changes. Catches config written by every rank,
     written before the metrics check, the wall time measured from the wrong start, the log left open.
     """
@@ -302,6 +310,7 @@ def test_open_and_finish_a_run_write_config_metrics_and_report(tmp_path, monkeyp
     finish_run(torch.nn.Linear(2, 2), str(run_dir), "base", metrics, time.time() - 100, "Done: 1 step")
     out = capsys.readouterr().out
     assert "Done: 1 step\n" in out and f"Outputs: {run_dir} (base dir {tmp_path})" in out and "Report card: " in out
+    assert "Replica check: parameters identical on all 1 ranks" in out  # (one gloo rank: the check runs)
     assert metrics.file.closed
     section = json.loads((tmp_path / "report" / "r1" / "base.json").read_text())
     assert 100 <= section["extra"]["wall_time_s"] < 130
@@ -334,13 +343,15 @@ def test_check_replicas_checksum_by_hand(one_rank_mesh, monkeypatch, capsys):
     model.b = torch.nn.Parameter(torch.tensor([[4.0]]))
     assert check_replicas(model) == 14.0
     assert "parameters identical on all 1 ranks (checksum 1.4000000000e+01)" in capsys.readouterr().out
+    model.a = torch.nn.Parameter(torch.tensor([0.0, 3.0, 0.0, 0.0]))  # weight 4/3: 3 * 4/3 + 4 = 8 in float64
+    assert check_replicas(model) == 8.0  # fp32 weights (1.3333334) would give 8.0000001...
 
     def two_ranks_differ(out, value):
         out[0].copy_(value)
         out[1].copy_(value + 1)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
     monkeypatch.setattr(dist, "all_gather", two_ranks_differ)
-    with pytest.raises(RuntimeError, match=r"parameters differ across ranks: checksums \[14.0, 15.0\]"):
+    with pytest.raises(RuntimeError, match=r"parameters differ across ranks: checksums \[8.0, 9.0\]"):
         check_replicas(model)
 
 
@@ -373,6 +384,11 @@ def test_metrics_log_keeps_bytes_names_lines_and_rejects_rows(tmp_path):
         with pytest.raises(UserError, match=r"metrics.jsonl:2: expected a JSON object with an int \"step\", got "):
             MetricsLog(str(tmp_path), resume_step=1)
         assert path.read_text() == '{"step": 1}\n' + bad + '\n{"step": 3}\n'
+    long_row = '{"not_step": "' + "x" * 80 + '"}'
+    path.write_text(long_row + "\n")
+    with pytest.raises(UserError) as e:
+        MetricsLog(str(tmp_path), resume_step=1)
+    assert f"got {long_row[:60]!r}; nothing was changed" in str(e.value)  # the row's first 60 characters
     quiet = MetricsLog(str(tmp_path / "rank1"), master=False)
     quiet.log(step=1)
     quiet.close()
