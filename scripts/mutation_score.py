@@ -60,6 +60,11 @@ def run_module(module, tests, max_children, again=False, skip=()):
     names = []
     if again and os.path.isdir(work):
         shutil.copytree(os.path.join(REPO, "tests"), os.path.join(work, "tests"), dirs_exist_ok=True)
+        # mutmut maps each test to the functions it ran when the test was new: a test edited since (same name, new
+        # calls) keeps its old map, so the map is rebuilt from the current tests
+        stats = os.path.join(work, "mutants", "mutmut-stats.json")
+        if os.path.exists(stats):
+            os.remove(stats)
         names = [n for n, s in results_of(work).items()
                  if s not in KILLED and not any(fnmatch.fnmatch(n, g) for g in skip)]
     else:

@@ -156,8 +156,8 @@ def test_forward_backward_syncs_gradients_only_in_the_last_micro_step(one_rank_m
     assert type(norm) is torch.Tensor and torch.isfinite(norm) and norm > 0
     capsys.readouterr()
     assert check_replicas(fsdp) is None
-    assert "Replica check: skipped under FSDP (parameters are sharded across ranks, not replicated)" in \
-        capsys.readouterr().out
+    assert capsys.readouterr().out == "Replica check: skipped under FSDP (parameters are sharded across ranks, not " \
+                                      "replicated)\n"
 
 
 def test_optimizer_step_sets_lr_and_momentum_clips_and_drops_the_gradients():
