@@ -941,13 +941,37 @@ def test_step_down_is_recorded_rewritten_and_drops_the_cache_entry(monkeypatch, 
 
 # ----------------------------------------------------------------------------- budget and plan mode
 
+MEMINFO = "MemTotal:       16384000 kB\nMemFree:          524288 kB\nMemAvailable:    {} kB\nBuffers:   1 kB\n"
+
+
 @pytest.mark.unit
-def test_default_cpu_budget_is_half_of_memavailable_per_local_rank():
-    avail = memory._mem_available_bytes()
-    budget, desc = memory.device_memory_budget("cpu", None, local_world_size=2)
-    assert budget <= 0.25 * avail and budget > 0.25 * avail - GiB and budget % (256 * 2**20) == 0
+@pytest.mark.parametrize("avail_kb, ranks, want", [
+    (8_388_608, 1, 4 * GiB),  # MemAvailable 8,388,608 kB = 8 GiB; half of it on one rank: 4 GiB = 4,294,967,296
+    (8_388_608, 2, 2 * GiB),  # 8 GiB / 2 / 2 = 2 GiB = 2,147,483,648
+    (8_388_608, 3, 1 * GiB),  # 8 GiB / 2 / 3 = 1.33 GiB, down to whole GiB: 1,073,741,824
+    (3_000_000, 2, 536_870_912),  # 3,072,000,000 B / 2 / 2 = 768,000,000 B < 1 GiB: 2 x 256 MiB = 536,870,912
+    (1_000_000, 4, 268_435_456),  # 1,024,000,000 B / 2 / 4 = 128,000,000 B: below 256 MiB, raised to 268,435,456
+])
+def test_default_cpu_budget_is_half_of_memavailable_per_local_rank(monkeypatch, avail_kb, ranks, want):
+    """
+    The default CPU budget read from a literal /proc/meminfo (the expected bytes worked out by hand in the table, not
+    from nanotrain.memory's own MemAvailable reader): half of MemAvailable per local rank, rounded down to whole GiB
+    (256 MiB steps below 1 GiB, at least 256 MiB). Fails on a reader that takes MemFree (512 MiB here: every budget
+    becomes 256 MiB) or forgets that /proc/meminfo counts kB, a fraction other than 1/2, a share not divided by the
+    local ranks, and rounding up. On the real machine: a positive multiple of 256 MiB and at most a quarter of the
+    physical memory (sysconf, not MemAvailable) with 2 local ranks.
+    """
+    import io
+    monkeypatch.setattr(memory, "open", lambda path, *a, **k: io.StringIO(MEMINFO.format(avail_kb))
+                        if path == "/proc/meminfo" else open(path, *a, **k), raising=False)
+    budget, desc = memory.device_memory_budget("cpu", None, local_world_size=ranks)
+    assert budget == want
     assert desc["type"] == "cpu" and "MemAvailable" in desc["source"]
-    assert memory.device_memory_budget("cpu", 1.5)[0] == int(1.5 * GiB)
+    monkeypatch.undo()
+    budget, _ = memory.device_memory_budget("cpu", None, local_world_size=2)
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < budget <= 0.25 * physical and budget % (256 * 2**20) == 0
+    assert memory.device_memory_budget("cpu", 1.5)[0] == 1_610_612_736  # 1.5 x 1,073,741,824
     with pytest.raises(UserError, match="--device_memory_gb=0"):
         memory.device_memory_budget("cpu", 0)
 

@@ -22,8 +22,32 @@ POSITIVE = ["tokens_per_sec", "flops_per_token", "achieved_flops", "peak_flops",
             "loader_tokens_per_sec", "loader_vs_trainer", "threads", "grad_accum_steps"]
 
 
-def check_result(r, steps):
-    """Schema of one configuration's result; catches a missing field, a string where a number belongs, or a zero."""
+# FLOPs per token and parameters of the default model (value embeddings and smear on) at the tokenizer's vocab of 512
+# (conftest.TINY_VOCAB), counted by hand (PaLM appendix B: 6 x matmul weights + 12 x layers x heads x head_dim x T):
+# depth 2, T 64: model_dim 128, 1 head of 128; matmul weights: blocks 2 x 12 x 128^2 = 393,216, block 1's value-embedding
+#   gate 12 x 1, the smear gate 12, lm_head 512 x 128 = 65,536: 458,776, x 6 = 2,752,656; attention 12 x 2 x 1 x 128 x
+#   64 = 196,608: 2,949,264. Parameters: wte, lm_head and block 1's value embedding 3 x 65,536 = 196,608, blocks
+#   393,216, gate 12, smear gate 12 and smear_lambda 1: 589,849.
+# depth 1, T 64: model_dim 64, 1 head of 64; 12 x 64^2 = 49,152 + gate 12 + smear gate 12 + lm_head 512 x 64 = 32,768:
+#   81,944, x 6 = 491,664; attention 12 x 1 x 1 x 64 x 64 = 49,152: 540,816.
+# depth 4, T 256: model_dim 256, 2 heads of 128; 4 x 12 x 256^2 = 3,145,728 + gates of blocks 1 and 3 2 x 12 x 2 + smear
+#   gate 12 + lm_head 512 x 256 = 131,072: 3,276,860, x 6 = 19,661,160; attention 12 x 4 x 2 x 128 x 256 = 3,145,728:
+#   22,806,888. Parameters: 2 x 131,072 + value embeddings of blocks 1 and 3 2 x 512 x 256 + 3,145,728 + 48 + 13 =
+#   3,670,077.
+FLOPS_PER_TOKEN = {2: 2_949_264, 1: 540_816, 4: 22_806_888}
+NUM_PARAMS = {2: 589_849, 4: 3_670_077}
+
+
+def check_result(r, steps, depth, tokens):
+    """
+    Schema of one configuration's result (catches a missing field, a string where a number belongs, or a zero), and
+    its derived numbers from independent inputs: the literal tokens per step of the command line, the hand-counted
+    FLOPs per token and parameters above, and the measured median step time and peak (not the result's own
+    intermediate fields): tokens/s = tokens / median, achieved FLOP/s = FLOPs per token x tokens/s, MFU = achieved /
+    the larger peak sample. Fails on FLOPs per token from 6 x all parameters (3,539,094 at depth 2: the embeddings
+    counted), tokens per micro-batch or per row instead of per optimizer step, an MFU without the FLOPs per token, and
+    a peak other than the larger sample.
+    """
     for key, typ in RESULT_KEYS.items():
         assert isinstance(r[key], typ), (key, r.get(key))
     for key in POSITIVE:
@@ -31,11 +55,14 @@ def check_result(r, steps):
     st = r["step_time_s"]
     assert set(st) == {"median", "min", "max", "p10", "p90", "n"} and st["n"] == steps
     assert 0 < st["min"] <= st["p10"] <= st["median"] <= st["p90"] <= st["max"]
-    assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_step"] / st["median"])
-    assert r["achieved_flops"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"])
-    assert r["mfu"] == pytest.approx(r["achieved_flops"] / r["peak_flops"])
-    assert r["peak_flops"] == max(r["peak_flops_samples"])
-    assert r["model"]["num_params"] > 0 and r["compile_s"] is None  # compile is off in these runs
+    assert r["tokens_per_step"] == tokens
+    assert r["flops_per_token"] == FLOPS_PER_TOKEN[depth] and r["model"]["num_params"] == NUM_PARAMS[depth]
+    peak = max(r["peak_flops_samples"])
+    assert r["peak_flops"] == peak
+    assert r["tokens_per_sec"] == pytest.approx(tokens / st["median"])
+    assert r["achieved_flops"] == pytest.approx(FLOPS_PER_TOKEN[depth] * tokens / st["median"])
+    assert r["mfu"] == pytest.approx(FLOPS_PER_TOKEN[depth] * tokens / st["median"] / peak)
+    assert r["compile_s"] is None  # compile is off in these runs
 
 
 @pytest.mark.smoke
@@ -48,7 +75,7 @@ def test_bench_prints_one_json_object(base_dir):
     r = run_script("bench.py", *TINY, "--warmup_steps=1", "--steps=2", "--profile=True", base_dir=base_dir)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # fails if anything else is printed on stdout
-    check_result(out, 2)
+    check_result(out, 2, depth=2, tokens=512)
     default = "bfloat16" if ns_dtype_for("cpu") == torch.bfloat16 else "float32"  # bf16 where its matmuls are fast
     assert out["config"]["depth"] == 2 and out["grad_accum_steps"] == 2 and out["dtype"] == default
     assert isinstance(out["rss_peak_delta_bytes"], int)
@@ -70,7 +97,9 @@ def test_bench_prints_one_json_object(base_dir):
 
 @pytest.mark.smoke
 def test_bench_vs_interleaves_two_configs(base_dir):
-    """--vs: both configurations' results, one ratio per round, their median; B differs from A only as asked."""
+    """--vs: both configurations' results, one ratio per round, their median; B differs from A only as asked (its
+    FLOPs per token are the hand count of depth 1, A's that of depth 2: fails on B built with A's model, or on FLOPs
+    counted from all parameters)."""
     r = run_script("bench.py", *TINY, "--warmup_steps=1", "--pairs=2", "--pair_steps=1", "--memory_estimate=False",
                    "--vs=--depth=1 --prefetch=1", base_dir=base_dir)
     assert r.returncode == 0, r.stderr
@@ -83,7 +112,7 @@ def test_bench_vs_interleaves_two_configs(base_dir):
         assert out[side]["peak_memory_bytes"] is None  # --memory_estimate=False
     assert out["a"]["config"]["depth"] == 2 and out["b"]["config"]["depth"] == 1
     assert out["a"]["config"]["prefetch"] == 0 and out["b"]["config"]["prefetch"] == 1  # CPU default: off
-    assert out["b"]["flops_per_token"] < out["a"]["flops_per_token"]
+    assert (out["a"]["flops_per_token"], out["b"]["flops_per_token"]) == (FLOPS_PER_TOKEN[2], FLOPS_PER_TOKEN[1])
     vs = out["vs"]
     assert len(vs["ratios"]) == 2 and all(x > 0 for x in vs["ratios"])
     assert vs["median_ratio"] == pytest.approx(sorted(vs["ratios"])[0] / 2 + sorted(vs["ratios"])[1] / 2)
@@ -118,5 +147,5 @@ def test_bench_reference_config(base_dir):
                    "--dtype=float32", "--steps=10", base_dir=base_dir, timeout=900)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    check_result(out, 10)
+    check_result(out, 10, depth=4, tokens=4096)
     print(json.dumps({k: out[k] for k in ("tokens_per_sec", "mfu", "peak_flops", "loader_vs_trainer")}))

@@ -11,7 +11,6 @@ import pytest
 
 from nanotrain.common import UserError
 from nanotrain.conversations import (
-    HOLDOUT_EVERY,
     load_hf,
     load_jsonl,
     load_task_mixture,
@@ -87,16 +86,20 @@ def test_load_jsonl_skip_bad_rows_counts(tmp_path):
 @pytest.mark.unit
 def test_load_hf_local_files_and_offline_error(base_dir, tmp_path, monkeypatch):
     """
-    A local JSONL through `datasets` gives the same conversations as load_jsonl, split 1-in-HOLDOUT_EVERY into val;
-    a bad row names the row; a hub name with no network fails fast with a UserError naming the data set.
+    A local JSONL through `datasets` gives the same conversations as load_jsonl, split 1 in 20 into val: of 45 rows,
+    rows 0, 20 and 40 (the documented "0, 20, 40, ...", written out here rather than recomputed from the module's
+    HOLDOUT_EVERY) are val and the other 42 train, in order; a bad row names the row; a hub name with no network fails
+    fast with a UserError naming the data set. Fails on a holdout rate other than 1 in 20, on val rows 19, 39 (a
+    split off by one), and on train and val rows that overlap or are reordered.
     """
     rows = [conv(f"question {i}", f"answer {i}") for i in range(45)]
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     train, skipped = load_hf(path, "train")
     val, _ = load_hf(path, "val")
     assert skipped == 0
-    assert [r["messages"] for r in val] == [rows[i]["messages"] for i in range(0, 45, HOLDOUT_EVERY)]
-    assert len(train) + len(val) == 45 and all(r["task"] == "hf" for r in train)
+    assert [r["messages"] for r in val] == [rows[i]["messages"] for i in (0, 20, 40)]
+    assert [r["messages"] for r in train] == [rows[i]["messages"] for i in range(45) if i not in (0, 20, 40)]
+    assert len(train) == 42 and all(r["task"] == "hf" for r in train)
     bad = write_jsonl(tmp_path / "bad.jsonl", rows[:3] + [conv("q", "a", "q")])
     with pytest.raises(UserError, match=re.escape(f"{bad}[train] row 3: the last message")):
         load_hf(bad, "train")
@@ -127,7 +130,7 @@ def test_mixture_weights_and_determinism(base_dir, tmp_path):
     assert first == load_task_mixture("arith,spell:1,identity:2", "train", seed=0)
     assert first != load_task_mixture("arith,spell:1,identity:2", "train", seed=1)
     assert len(load_task_mixture("arith:3,identity:0.1", "val")) == VAL_ROWS["arith"] + VAL_ROWS["identity"]
-    # a JSONL source: every HOLDOUT_EVERY-th row is val, the rest train
+    # a JSONL source: every 20th row is val (rows 0 and 20 of 40), the rest train
     rows = [conv(f"q{i}", f"a{i}") for i in range(40)]
     path = write_jsonl(tmp_path / "c.jsonl", rows)
     assert len(load_task_mixture(f"jsonl:{path}:2", "train")) == 2 * 38

@@ -73,7 +73,8 @@ def test_param_count_depth20_with_the_options():
     (blocks 1, 3, .., 19) of 65,536 x 1,280; their gates 10 x (12 x 10 heads); resid and x0 lambdas 2 x 20; the smear
     gate 12 and smear_lambda 1; backout_lambda 1. The FLOPs add only the gates' matmuls: 6 x (1,200 + 12). Catches
     value embeddings on every block (or on the wrong half), tables of model_dim on a GQA model, and counting a
-    lookup table as matmul FLOPs.
+    lookup table as matmul FLOPs. num_scaling_params is the literal 560,989,414: fails on one that also leaves out
+    the gates (560,988,214) or leaves out nothing (1,399,850,214).
     """
     with torch.device("meta"):
         model = GPT(config_from_depth(20, 65536, 2048, smear=True, backout=True, x0_lambdas=True))
@@ -84,7 +85,9 @@ def test_param_count_depth20_with_the_options():
     with torch.device("meta"):
         v1 = GPT(config_from_depth(20, 65536, 2048, **V1))
     assert model.estimate_flops() - v1.estimate_flops() == 6 * (1200 + 12)
-    assert model.num_scaling_params() == model.num_params() - 10 * 65536 * 1280
+    # all but the 10 value-embedding tables, counted by hand (not as num_params() minus the tables, the expression
+    # num_scaling_params is written with): 560,988,160 + 1,200 gate weights + 40 lambdas + 12 + 1 + 1 = 560,989,414
+    assert model.num_scaling_params() == 560_989_414
 
 
 def test_bad_config_raises():
@@ -245,15 +248,22 @@ def test_generate_sampling_seeded():
 
 
 def test_setup_optimizers(capsys):
-    """Catches parameters missing from (or duplicated in) the optimizers, unscaled AdamW LRs, a scaled scalar lr,
-    the x0 lambdas without their beta1 0.96, and missing initial_lr."""
+    """
+    The AdamW groups' lrs are literal values worked out by hand, not recomputed with the module's scale expression:
+    at model_dim 64 the lr scale is (768 / 64) ** 0.5 = sqrt(12) = 3.46410162, so lm_head 0.004 x 3.46410162 =
+    0.01385641, wte 0.2 x 3.46410162 = 0.69282032, value embeddings half of that, 0.34641016; resid lambdas 0.5 / 100
+    = 0.005, x0 lambdas 0.5 (beta1 0.96), smear gate + smear_lambda + backout_lambda 0.4 x 0.5 = 0.2. Fails on an
+    inverted scale (model_dim / 768) ** 0.5 (0.00115470 for lm_head), on a scale from another reference width, on
+    value embeddings without their halving, on a scaled scalar lr, and on the x0 lambdas without their beta1 0.96;
+    also catches parameters missing from (or duplicated in) the optimizers and a missing initial_lr.
+    """
     model = make_model(randomize=False, smear=True, backout=True, x0_lambdas=True)
     adamw, muon = model.setup_optimizers(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5)
     assert capsys.readouterr().out == ""  # the model prints nothing; the scripts log the lr scale
-    scale = (64 / 768) ** -0.5  # 3.4641
-    groups = [(g["lr"], g["betas"][0], len(g["params"])) for g in adamw.param_groups]
-    assert groups == pytest.approx([(0.004 * scale, 0.8, 1), (0.2 * scale, 0.8, 1), (0.1 * scale, 0.8, 1),
-                                    (0.005, 0.8, 1), (0.5, 0.96, 1), (0.2, 0.8, 3)])
+    lrs = [g["lr"] for g in adamw.param_groups]
+    assert lrs == pytest.approx([0.01385641, 0.69282032, 0.34641016, 0.005, 0.5, 0.2], rel=1e-6)
+    assert [(g["betas"][0], len(g["params"])) for g in adamw.param_groups] == [(0.8, 1), (0.8, 1), (0.8, 1),
+                                                                              (0.8, 1), (0.96, 1), (0.8, 3)]
     assert adamw.defaults["eps"] == 1e-10
     assert not adamw.defaults["fused"]  # fused on CUDA only; torch's default implementation on CPU
     ids = [id(p) for opt in (adamw, muon) for g in opt.param_groups for p in g["params"]]

@@ -50,10 +50,27 @@ def test_training_script_writes_its_own_section(base_run, monkeypatch):
     assert json.load(open(os.path.join(base, "report", "r", "base.json")))["extra"]["wall_time_s"] == recorded
 
 
-def test_section_has_every_heading_and_plots(base_run, base_dir):
+# a base run's metrics.jsonl written by hand: an evaluation at steps 0 and 4, four steps whose first one is slow (the
+# compilation / warm-up step the speed summary leaves out)
+LITERAL_METRICS = [{"step": 0, "val_bpb": 3.25},
+                   {"step": 1, "loss": 6.5, "lrm": 1.0, "dt": 2.0, "tok_per_sec": 10.0, "mfu": 0.5},
+                   {"step": 2, "loss": 5.25, "lrm": 1.0, "dt": 0.5, "tok_per_sec": 400.0, "mfu": 0.04},
+                   {"step": 3, "loss": 4.5, "lrm": 1.0, "dt": 0.25, "tok_per_sec": 200.0, "mfu": 0.02},
+                   {"step": 4, "loss": 4.125, "lrm": 0.5, "dt": 0.25, "tok_per_sec": 240.0, "mfu": 0.024},
+                   {"step": 4, "val_bpb": 2.75}]
+
+
+def test_section_has_every_heading_and_plots(base_run, base_dir, tmp_path):
     """
-    A base section has every subsection, the numbers of the run, and valid non-empty PNGs that it links.
-    Catches: a plot written as an empty or non-PNG file, a missing subsection, numbers not read from metrics.jsonl.
+    A base section of the real run has every subsection, the run's config and valid non-empty PNGs that it links.
+    Its numbers are checked on a run directory whose metrics.jsonl is LITERAL_METRICS, against lines worked out by
+    hand (not read back through report.read_metrics, which the section is built from): 4 steps, training time
+    2 + 0.5 + 0.25 + 0.25 = 3 s = 0.05 min; the median of the tokens/s of steps 2-4 (400, 200, 240) is 240 and of their
+    MFU (4%, 2%, 2.4%) 2.4%; train loss first 6.5, last 4.125; val bpb 3.25 at step 0, 2.75 at step 4; the summary
+    table repeats them. Fails on: the first step not left out (median 220 tokens/s, MFU 3.2%), a mean instead of the
+    median (280, 2.8%), the training time from the last step's dt only, first/last taken from the wrong rows, and a
+    reader that drops the last line although it is complete (the step-4 evaluation). Catches as well a plot written
+    as an empty or non-PNG file and a missing subsection.
     """
     path = write_section("r", "base", base_run)
     assert path == os.path.join(report_dir("r"), "report.md")
@@ -65,10 +82,19 @@ def test_section_has_every_heading_and_plots(base_run, base_dir):
         data = open(os.path.join(report_dir("r"), name), "rb").read()
         assert len(data) > 1000 and data.startswith(PNG)
         assert f"]({name})" in text
-    train, val = read_metrics(base_run)
-    assert len(train) == 4 and val and "val_bpb" in val[-1]
-    assert f"{train[-1]['loss']:.4f}" in text and f"{val[-1]['val_bpb']:.4f}" in text
     assert "| `depth` | 2 |" in text and "torch " in text and "git " in text
+
+    literal = tmp_path / "literal_run"
+    literal.mkdir()
+    (literal / "config.json").write_text(json.dumps({"depth": 2}))
+    (literal / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in LITERAL_METRICS))
+    text = open(write_section("lit", "base", str(literal))).read()
+    for line in ("- steps: 4, training time (sum of step times): 0.05 min",
+                 "- median tokens/s 240, MFU 2.4% (first step left out)",
+                 "- train loss: first 6.5000, last 4.1250",
+                 "- val bpb: 3.2500 at step 0, 2.7500 at step 4",
+                 "| base | 0.05 | 240 | 2.4% | val_bpb 2.7500 |"):
+        assert any(ln.startswith(line) for ln in text.splitlines()), (line, text)
 
 
 def test_rewriting_replaces_the_section_and_keeps_stage_order(base_run, base_dir, tmp_path):
