@@ -17,6 +17,7 @@ declare -A ROW=(  # row name -> the flags that change its technique from the def
     [value_embeds]="--value_embeds=False"
     [polar_express]="--polar_express=False"
     [muon_weight_decay]="--muon_weight_decay=0"
+    [muon_weight_decay_1.6]="--muon_weight_decay=1.6"
     [matrix_lr]="--matrix_lr=0.02"
     [schedule]="--warmdown_ratio=0.2 --final_lr_frac=0.0"
     [normuon]="--muon_beta2=0.9"
@@ -26,7 +27,7 @@ declare -A ROW=(  # row name -> the flags that change its technique from the def
     [attention_constants]="--rotary_base=100000 --qk_scale=1.44"
     [fp32]="--dtype=float32"
 )
-ORDER="defaults value_embeds polar_express muon_weight_decay matrix_lr schedule normuon smear backout x0_lambdas \
+ORDER="defaults value_embeds polar_express muon_weight_decay muon_weight_decay_1.6 matrix_lr schedule normuon smear backout x0_lambdas \
 attention_constants fp32"
 for name in ${ROWS:-$ORDER}; do
     log="$NANOTRAIN_BASE_DIR/ablations/d${DEPTH}_s${STEPS}_$name.log"

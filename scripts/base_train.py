@@ -51,6 +51,7 @@ from nanotrain.training import (
     grad_accum_steps_for,
     lr_multiplier,
     muon_momentum,
+    muon_weight_decay_for,
     open_run_log,
     optimizer_step,
     precision,
@@ -89,7 +90,7 @@ embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)
 unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
 scalar_lr = 0.5  # AdamW lr of the learned scalars (x0_lambdas; resid_lambdas get 1/100 of it, smear/backout 0.4)
 weight_decay = 0.0  # AdamW weight decay (embeddings, lm_head)
-muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: 0.4 * (512 / model_dim)**2
+muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
 muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
@@ -136,10 +137,9 @@ def main():
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_from_depth(depth, vocab_size, max_seq_len, value_embeds=value_embeds, smear=smear,
                                      backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale)
-    # Muon's weight decay shrinks with the width squared (nanochat's sweeps: ~0.40 at model_dim 512, ~0.08 at 1280)
     muon_wd = config["muon_weight_decay"]
-    if muon_wd is None:
-        muon_wd = 0.4 * (512 / model_config.model_dim) ** 2
+    if muon_wd is None:  # 0.4, shrinking with the width squared above model_dim 512
+        muon_wd = muon_weight_decay_for(model_config.model_dim)
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
     run_dir = get_run_dir("base", run_name or f"d{depth}")

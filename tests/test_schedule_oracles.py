@@ -44,3 +44,16 @@ def test_muon_momentum_table():
     assert [muon_momentum(k) for k in (0, 1, 150, 299, 300, 301, 10_000)] == pytest.approx(
         [0.85, 0.8503333333333334, 0.9, 0.9496666666666667, 0.95, 0.95, 0.95], abs=1e-12)
     assert muon_momentum(1, 2, start=0.5, end=0.7) == pytest.approx(0.6, abs=1e-12)
+
+
+def test_default_muon_weight_decay_table():
+    """
+    The default Muon weight decay by width, worked by hand: 0.4 at model_dim 128, 256 and 512 (capped), then
+    0.4 * (512 / d)^2: 0.4 * 4/9 = 0.177778 at 768, 0.4 * 0.16 = 0.064 at 1280, 0.4 / 9 = 0.044444 at 1536.
+    Catches the uncapped square (1.6 at 256, 6.4 at 128), a linear instead of squared shrink (0.16 at 1280) and a cap
+    at the wrong width.
+    """
+    from nanotrain.training import muon_weight_decay_for
+    table = {128: 0.4, 256: 0.4, 512: 0.4, 768: 0.177778, 1280: 0.064, 1536: 0.044444}
+    for model_dim, want in table.items():
+        assert muon_weight_decay_for(model_dim) == pytest.approx(want, abs=1e-6), model_dim
