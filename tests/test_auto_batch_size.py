@@ -1057,3 +1057,40 @@ def test_found_size_runs_20_steps_under_the_margin(monkeypatch, tmp_path):
         assert torch.cuda.max_memory_reserved(dev) <= margin * gb * GiB
     finally:
         torch.cuda.set_per_process_memory_fraction(prev, dev)
+
+
+@pytest.mark.unit
+def test_discovery_checks_its_arguments_and_keys_the_cache_on_every_setting(monkeypatch):
+    """
+    discover_device_batch_size refuses a margin outside (0, 1] (1 itself is allowed) and an unknown probe kind, each with
+    its own message; its cache key is the same for the same call and for fp32 given as None, and changes with each
+    setting that changes memory: max_seq_len, vocab_size, bf16, compile, world size (plan mode: no process group),
+    margin, the caller's key_fields and the builder's own key_fields. The CPU budget is half of MemAvailable per local
+    rank (LOCAL_WORLD_SIZE): 8 GiB available over 2 local ranks is 2 GiB. Catches a field left out of the key (a
+    stale size reused for another config), key_fields read from the wrong attribute, fp32 keyed apart from None,
+    the local ranks ignored, and bounds or messages mixed up.
+    """
+    def build(device):  # one function whose key_fields the test changes: the code fingerprint stays the same
+        return build_tiny(device)
+    build.key_fields = {"width": 1}
+    base = dict(TINY_ARGS, device_memory_gb=1.0, use_cache=False, log=lambda *a: None, max_batch_size=2)
+
+    def key(**changes):
+        return json.dumps(discover_device_batch_size(build, **{**base, **changes})[1]["cache_key"], sort_keys=True)
+
+    for bad in (0.0, 1.5):
+        with pytest.raises(UserError, match=rf"--batch_size_margin={bad}: expected a fraction in \(0, 1\]"):
+            key(margin=bad)
+    with pytest.raises(ValueError, match="probe='gpu': expected 'fake', 'real' or None"):
+        key(probe="gpu")
+    k0 = key()
+    assert key() == k0 and key(amp_dtype=torch.float32) == k0
+    others = [key(max_seq_len=32), key(vocab_size=128), key(amp_dtype=torch.bfloat16), key(compile=True),
+              key(world_size=2), key(margin=1.0), key(key_fields={"model": "other"})]
+    build.key_fields = {"width": 2}
+    others.append(key())
+    assert len({k0, *others}) == len(others) + 1, others
+    monkeypatch.setattr(memory, "_mem_available_bytes", lambda: 8 * GiB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    record = discover_device_batch_size(build, **{**base, "device_memory_gb": None})[1]
+    assert record["budget_bytes"] == 2 * GiB
