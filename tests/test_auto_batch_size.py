@@ -1094,3 +1094,43 @@ def test_discovery_checks_its_arguments_and_keys_the_cache_on_every_setting(monk
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     record = discover_device_batch_size(build, **{**base, "device_memory_gb": None})[1]
     assert record["budget_bytes"] == 2 * GiB
+
+
+@pytest.mark.unit
+def test_step_down_under_a_process_group(one_rank_mesh, monkeypatch, tmp_path):
+    """
+    Under torch.distributed (one gloo rank, in-process): an FSDP2-sharded model is refused with one UserError naming
+    --fsdp; a DDP model's micro-steps all skip DDP's own sync (require_backward_grad_sync is False at every forward,
+    seen by a hook) and the gradients are all-reduced and averaged at the end, equal to the plain model's stepped-down
+    step (1e-6); rank 0 rewrites the record and drops the cache entry. Catches the FSDP check skipped, DDP's sync left
+    on (a second all-reduce of every gradient), a final average divided by anything but the world size (with one rank a
+    missing average is not visible: the two-process test covers it), and the rank-0 writes skipped under a process
+    group.
+    """
+    import copy
+
+    from nanotrain.fsdp import shard_model
+
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    path = str(tmp_path / "auto_batch_size.json")
+    build = gpt_builder(TINY_GPT)
+    batch_size, record = discover_device_batch_size(build, max_seq_len=32, vocab_size=256, total_batch_size=32 * 8,
+                                                    world_size=1, device="cpu", device_memory_gb=1, key_fields={},
+                                                    log=lambda *a: None, record_path=path)
+    assert batch_size == 8 and os.path.exists(record["cache_path"])
+    x, y = torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32))
+    with pytest.raises(UserError, match="--fsdp=True: the out-of-memory step-down"):
+        OOMStepDown(record, path, 8, log=lambda *a: None).forward_backward(
+            shard_model(build("cpu")[0], torch.device("cpu"), torch.float32), x, y, nullcontext(), step=0)
+    model, _ = build("cpu")
+    plain = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(OOMAbove(model, limit=4))
+    syncs = []
+    ddp.module.register_forward_pre_hook(lambda m, a: syncs.append(ddp.require_backward_grad_sync))
+    step_down = OOMStepDown(record, path, 8, log=lambda *a: None)
+    loss = step_down.forward_backward(ddp, x, y, nullcontext(), step=2)
+    assert ddp.module.calls == [8, 4, 4] and syncs == [False, False, False]
+    ref = forward_backward(plain, x, y, 4, nullcontext())
+    assert abs(loss.item() - ref.item()) < 1e-6 and rel(grads(model), grads(plain)) < 1e-6
+    assert step_down.device_batch_size == 4 and json.load(open(path))["step_downs"] == [[2, 8, 4]]
+    assert not os.path.exists(record["cache_path"])
