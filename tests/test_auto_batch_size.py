@@ -1066,7 +1066,9 @@ def test_discovery_checks_its_arguments_and_keys_the_cache_on_every_setting(monk
     its own message; its cache key is the same for the same call and for fp32 given as None, and changes with each
     setting that changes memory: max_seq_len, vocab_size, bf16, compile, world size (plan mode: no process group),
     margin, the caller's key_fields and the builder's own key_fields. The CPU budget is half of MemAvailable per local
-    rank (LOCAL_WORLD_SIZE): 8 GiB available over 2 local ranks is 2 GiB. Catches a field left out of the key (a
+    rank (LOCAL_WORLD_SIZE): 8 GiB available over 2 local ranks is 2 GiB. The record has exactly its documented
+    fields, the candidates respect max_batch_size and the key carries the code's fingerprint. Catches a field left out
+    of the key (a
     stale size reused for another config), key_fields read from the wrong attribute, fp32 keyed apart from None,
     the local ranks ignored, and bounds or messages mixed up.
     """
@@ -1085,6 +1087,12 @@ def test_discovery_checks_its_arguments_and_keys_the_cache_on_every_setting(monk
         key(probe="gpu")
     k0 = key()
     assert key() == k0 and key(amp_dtype=torch.float32) == k0
+    record = discover_device_batch_size(build, **base)[1]
+    assert record["candidates"] == [1, 2]  # max_batch_size=2 caps the divisors of 64 rows
+    assert set(record) == {"device_batch_size", "grad_accum_steps", "candidates", "budget_bytes", "limit_bytes",
+                           "margin", "device", "measurement", "probes", "cache_hit", "cache_key", "cache_path",
+                           "seconds", "algorithm_version"}  # the documented record, nothing else
+    assert record["cache_key"]["code"] == ab.code_fingerprint(build) and record["cache_key"]["code"]
     others = [key(max_seq_len=32), key(vocab_size=128), key(amp_dtype=torch.bfloat16), key(compile=True),
               key(world_size=2), key(margin=1.0), key(key_fields={"model": "other"})]
     build.key_fields = {"width": 2}
