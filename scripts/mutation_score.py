@@ -42,8 +42,14 @@ def prepare(module, tests, work):
         if os.path.isfile(os.path.join(REPO, f)):
             os.makedirs(os.path.dirname(os.path.join(work, f)), exist_ok=True)
             shutil.copy2(os.path.join(REPO, f), os.path.join(work, f))
+    configure(module, tests, work)
+
+
+def configure(module, tests, work):
+    """Writes the repository's pyproject.toml into `work` with [tool.mutmut] mutating `module` only and selecting
+    `tests`."""
     path = os.path.join(work, "pyproject.toml")
-    text = open(path).read()
+    text = open(os.path.join(REPO, "pyproject.toml")).read()
     settings = tomllib.loads(text)["tool"]["mutmut"]
     settings.update(only_mutate=[module], pytest_add_cli_args_test_selection=tests)
     section = "[tool.mutmut]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
@@ -53,13 +59,14 @@ def prepare(module, tests, work):
 
 def run_module(module, tests, max_children, again=False, skip=()):
     """Runs mutmut on `module` with `tests`; returns {mutant name: status}. again: keep the verdicts of the last run
-    in mutants/<name>/, refresh its tests/ from the repository and re-run only the mutants not killed (after adding
+    in mutants/<name>/, refresh its tests/ and its test selection from the repository and re-run only the mutants not killed (after adding
     tests for survivors: tests are only added, so a killed mutant stays killed). skip: mutant-name globs that
     --again leaves unchecked (reported as such)."""
     work = os.path.join(REPO, "mutants", os.path.splitext(os.path.basename(module))[0])
     names = []
     if again and os.path.isdir(work):
         shutil.copytree(os.path.join(REPO, "tests"), os.path.join(work, "tests"), dirs_exist_ok=True)
+        configure(module, tests, work)  # the module's test files may have changed too
         # mutmut maps each test to the functions it ran when the test was new: a test edited since (same name, new
         # calls) keeps its old map, so the map is rebuilt from the current tests
         stats = os.path.join(work, "mutants", "mutmut-stats.json")

@@ -464,6 +464,10 @@ def test_logging_contract_and_json_record(monkeypatch, tmp_path):
     assert again["device_batch_size"] == 4 and again["grad_accum_steps"] == 16 and again["cache_hit"] is False
     assert {"batch_size", "peak_bytes", "result", "seconds", "phase"} <= set(again["probes"][0])
     assert again["limit_bytes"] == int(0.85 * again["budget_bytes"])
+    # seconds are elapsed times in milliseconds' resolution; the probes are part of the discovery's own time
+    times = [p["seconds"] for p in again["probes"]] + [again["seconds"]]
+    assert all(0 <= t == round(t, 3) for t in times) and sum(times[:-1]) <= times[-1] < 60
+    assert again["cache_key"]["compile"] is False  # TINY_ARGS says compile=False; the default is False too
 
 
 class SimulatedOOM:
@@ -1142,3 +1146,94 @@ def test_step_down_under_a_process_group(one_rank_mesh, monkeypatch, tmp_path):
     assert abs(loss.item() - ref.item()) < 1e-6 and rel(grads(model), grads(plain)) < 1e-6
     assert step_down.device_batch_size == 4 and json.load(open(path))["step_downs"] == [[2, 8, 4]]
     assert not os.path.exists(record["cache_path"])
+
+
+@pytest.mark.unit
+def test_sft_probe_model_trains_the_packed_or_the_padded_layout():
+    """sft_builder's probe model runs what chat_sft trains. With packing, the B rows go in as one row of B*T tokens
+    in B segments that do not see each other, so its loss equals the mean of each row's loss on its own, and the GPT
+    receives a (1, B*T) row with doc_ids; without packing, the (B, T) rows as they are, without doc_ids. Catches: the
+    packing flag inverted or not passed on, segments of another length than T (attention would cross rows and the loss
+    would change), the rows or targets reshaped to another shape, packing missing from the cache key."""
+    for packing in (True, False):
+        torch.manual_seed(0)
+        build = ab.sft_builder(TINY_GPT, packing)
+        assert build.key_fields["packing"] is packing
+        model, optimizers = build("cpu")
+        assert isinstance(model, ab.PackedRows) and len(optimizers) == 2
+        with torch.no_grad():  # the head starts at zero (every row's loss would be log V): give the weights values
+            for p in model.parameters():
+                p.normal_(0, 0.3)
+        seen = []
+        hook = model.model.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append((tuple(args[0].shape), tuple(args[1].shape), kwargs.get("doc_ids"))),
+            with_kwargs=True)
+        x, y = torch.randint(0, 256, (3, 8)), torch.randint(0, 256, (3, 8))
+        with torch.no_grad():
+            loss = model(x, y)
+            hook.remove()
+            rows = torch.stack([model.model(x[i:i + 1], y[i:i + 1]) for i in range(3)])
+        assert torch.allclose(loss, rows.mean(), rtol=1e-5), (packing, loss, rows)
+        assert rows.std() > 0.05  # the rows differ, so a loss mixing them would be seen
+        shapes, doc_ids = seen[0][:2], seen[0][2]
+        if packing:
+            assert shapes == ((1, 24), (1, 24))
+            assert doc_ids.tolist() == [[0] * 8 + [1] * 8 + [2] * 8]
+        else:
+            assert shapes == ((3, 8), (3, 8)) and doc_ids is None
+
+
+@pytest.mark.unit
+def test_cache_key_has_its_documented_fields_and_names_one_file_in_any_order(monkeypatch, tmp_path):
+    """The key stored in every cache entry has exactly these fields (a user reads them to see why a run missed the
+    cache); a key field that JSON cannot hold (a path, a dtype) is stored as its str instead of crashing; the file name
+    is the hash of the canonical (sorted) JSON, so the same key built in another order names the same file; an unset
+    allocator variable is the same key as an empty one, and each of the two variables changes the key. Catches: a
+    field dropped or renamed, json.dumps without default=str, the digest over unsorted JSON, None for an unset
+    variable, PYTORCH_ALLOC_CONF left out."""
+    import pathlib
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    key = cache_key(**KEY_ARGS)
+    assert sorted(key) == ["algorithm_version", "alloc_conf", "amp_dtype", "candidates", "code", "compile", "devices",
+                           "key_fields", "margin", "max_seq_len", "torch", "vocab_size", "world_size"]
+    assert key["alloc_conf"] == ["", ""] and key["amp_dtype"] == "torch.bfloat16"
+    assert key["max_seq_len"] == 256 and key["vocab_size"] == 32768 and key["world_size"] == 8
+    odd = cache_key(**{**KEY_ARGS, "key_fields": {"data": pathlib.Path("/data/x"), "dtype": torch.float16}})
+    assert odd["key_fields"] == {"data": "/data/x", "dtype": "torch.float16"}
+    path = cache_path(key)
+    assert cache_path(dict(reversed(list(key.items())))) == path
+    reordered = {**KEY_ARGS, "key_fields": dict(reversed(list(KEY_ARGS["key_fields"].items())))}
+    assert cache_path(cache_key(**reordered)) == path
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(var, "")
+        assert cache_path(cache_key(**KEY_ARGS)) == path
+        monkeypatch.setenv(var, "expandable_segments:True")
+        assert cache_path(cache_key(**KEY_ARGS)) != path
+        monkeypatch.delenv(var)
+
+
+@pytest.mark.unit
+def test_code_fingerprint_covers_the_builders_package_and_not_where_it_runs(tmp_path, monkeypatch):
+    """A build_probe from another package is fingerprinted with that whole package: editing a sibling module it
+    imports (the model file) changes the fingerprint. The fingerprint does not depend on the working directory (it
+    hashes paths relative to the package's parent). A callable without source (a functools.partial) still gets one.
+    Catches: only build_probe's own file hashed (a model edit would hit a stale entry), the package looked up
+    wrongly, absolute or cwd-relative paths in the hash (every directory a different key), a crash without source."""
+    import functools
+    import importlib
+    pkg = tmp_path / "ab_fp_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("WIDTH = 4\n")
+    (pkg / "builders.py").write_text("from .model import WIDTH\n\ndef build(device):\n    return WIDTH\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    build = importlib.import_module("ab_fp_pkg.builders").build
+    before = ab.code_fingerprint(build)
+    monkeypatch.chdir(pkg)
+    assert ab.code_fingerprint(build) == before
+    monkeypatch.chdir(REPO)
+    assert ab.code_fingerprint(functools.partial(build)) == ab.code_fingerprint(functools.partial(len))
+    (pkg / "model.py").write_text("WIDTH = 8\n")
+    assert ab.code_fingerprint(build) != before
