@@ -297,6 +297,22 @@ GPU_PEAK_FLOPS = [
 ]
 
 
+def cpu_flags(path="/proc/cpuinfo"):
+    """
+    The CPU's feature flags (a set of str, e.g. {"avx512f", "avx512_bf16", ...}) from the first "flags" line of
+    `path` (Linux on x86), or None where there is no such line or file (macOS; ARM Linux lists "Features" instead).
+    """
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        return None
+    return None
+
+
 def measure_matmul_flops(dtype=torch.float32, n=1024, seconds=1.0, device="cpu"):
     """
     Measures the device's dense matmul throughput in FLOP/s with (n, n) @ (n, n) products of `dtype`

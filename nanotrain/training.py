@@ -31,9 +31,9 @@ COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def precision(dtype, device):
     """
-    Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and on CPUs whose bf16 matmuls run at least 2x
-    the fp32 rate (AVX512-BF16 or AMX: nanotrain.muon.ns_dtype_for measures it once; under torch.distributed the ranks
-    agree, so every rank must call this), float32 elsewhere. Parameters, gradients and optimizer state stay fp32 in
+    Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls (AVX512-BF16
+    or AMX, as nanotrain.muon.ns_dtype_for decides it once per process; under torch.distributed the ranks agree, so
+    every rank must call this), float32 elsewhere. Parameters, gradients and optimizer state stay fp32 in
     every case (autocast only lowers the matmuls). Returns (compute dtype, autocast context): (torch.bfloat16,
     torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).
     Raises UserError for anything but "", "bfloat16", "float32".

@@ -181,3 +181,38 @@ def test_scalar_all_reduces_on_two_ranks():
         p.join(60)
     expected = {"sum": 7, "min": 3, "max": 3.5, "mean": 1.5, "big": 2**53 + 1, "any": True, "none": False}
     assert results[0] == results[1] == expected
+
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu vme avx512f avx512_bf16 avx512_vnni
+bugs\t\t: sysret_ss_attrs
+
+processor\t: 1
+flags\t\t: fpu
+"""
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes bf16 i8mm
+CPU implementer\t: 0x41
+"""
+
+
+@pytest.mark.unit
+def test_cpu_flags_from_literal_cpuinfo(tmp_path):
+    """
+    The first "flags" line of an x86 /proc/cpuinfo as a set, word by word (the second processor's line ignored);
+    None for ARM's "Features" layout, a missing file, and a line whose key only starts with "flags" (flags_x).
+    Catches the last processor's line read instead of the first, a substring test ("avx512" matching
+    "avx512_bf16"), and an ARM CPU read as one with no flags (which would pin it to fp32 instead of measuring).
+    """
+    from nanotrain.common import cpu_flags
+    x86, arm, odd = tmp_path / "x86", tmp_path / "arm", tmp_path / "odd"
+    x86.write_text(X86_CPUINFO)
+    arm.write_text(ARM_CPUINFO)
+    odd.write_text("flags_x\t: avx512_bf16\n")
+    assert cpu_flags(str(x86)) == {"fpu", "vme", "avx512f", "avx512_bf16", "avx512_vnni"}
+    assert cpu_flags(str(arm)) is None
+    assert cpu_flags(str(tmp_path / "missing")) is None
+    assert cpu_flags(str(odd)) is None

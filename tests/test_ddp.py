@@ -133,6 +133,7 @@ def ns_worker(rank, port, out_dir, agree):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     speed = 4.5 if rank == 0 else 0.25  # bf16 / fp32 throughput each rank "measures"
     muon.measure_matmul_flops = lambda dtype, n, s: 1e11 * (speed if dtype == torch.bfloat16 else 1.0)
+    muon.cpu_flags = lambda: None  # a CPU that lists no flags: each rank's timing decides
     if not agree:  # the wrong variant: each rank decides alone
         muon.all_reduce_scalar = lambda value, op, device: int(value)
     compute_init("cpu")

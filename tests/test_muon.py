@@ -136,6 +136,7 @@ def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
 
     import nanotrain.muon as muon
 
+    monkeypatch.setattr(muon, "cpu_flags", lambda: None)  # a CPU that lists no flags: measured
     for bf16_speed, expected in ((4.5, torch.bfloat16), (1.5, torch.float32), (0.25, torch.float32)):
         monkeypatch.setattr(muon, "_NS_DTYPE", {})
         monkeypatch.setattr(muon, "measure_matmul_flops",
@@ -143,6 +144,7 @@ def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
         assert muon.ns_dtype_for(torch.device("cpu")) == expected
     monkeypatch.undo()
     monkeypatch.setattr(muon, "_NS_DTYPE", {})
+    monkeypatch.setattr(muon, "cpu_flags", lambda: None)
     seen = []
     real = muon.measure_matmul_flops
 
@@ -334,11 +336,31 @@ def test_ns_dtype_for_other_devices_and_the_2x_bar(monkeypatch):
     monkeypatch.setattr(muon, "_NS_DTYPE", {})
     assert muon.ns_dtype_for("cuda") == torch.bfloat16 and muon.ns_dtype_for(torch.device("cuda", 1)) == torch.bfloat16
     assert muon.ns_dtype_for("meta") == torch.float32
+    monkeypatch.setattr(muon, "cpu_flags", lambda: None)
     for speed, expected in ((2.0, torch.bfloat16), (2.9, torch.bfloat16), (1.99, torch.float32)):
         monkeypatch.setattr(muon, "_NS_DTYPE", {})
         monkeypatch.setattr(muon, "measure_matmul_flops",
                             lambda dtype, n, s, f=speed: 1e11 * (f if dtype == torch.bfloat16 else 1.0))
         assert muon.ns_dtype_for("cpu") == expected, speed
+
+
+def test_ns_dtype_for_reads_the_cpu_flags_without_timing(monkeypatch):
+    """
+    Where the CPU lists its flags the choice is theirs, with no timing: avx512_bf16 or amx_bf16 -> bf16 (even when a
+    timing under load would have measured bf16 as slow: the measurement is made to raise), neither (avx512f alone,
+    or no flags) -> fp32 (even where a timing would have measured it fast). Catches the flags ignored (the timing
+    decides), the flag names misspelled, and either flag alone not counting.
+    """
+    import nanotrain.muon as muon
+
+    def timing(*args):
+        raise AssertionError("timed although the CPU lists its flags")
+    monkeypatch.setattr(muon, "measure_matmul_flops", timing)
+    for flags, expected in (({"fpu", "avx512f", "avx512_bf16"}, torch.bfloat16), ({"amx_bf16", "amx_tile"}, torch.bfloat16),
+                            ({"fpu", "avx512f", "avx512_vnni"}, torch.float32), (set(), torch.float32)):
+        monkeypatch.setattr(muon, "_NS_DTYPE", {})
+        monkeypatch.setattr(muon, "cpu_flags", lambda f=flags: f)
+        assert muon.ns_dtype_for("cpu") == expected, flags
 
 
 def test_orthogonalize_a_dtensor_whole_then_cut_back(one_rank_mesh, monkeypatch):
