@@ -9,6 +9,15 @@ see disjoint data. The state is the position of the next unseen token: (epoch, i
 offset of the token inside that document's tokens), so resume continues exactly at the next unseen tokens, whatever
 the batch size.
 
+BOS-aligned best-fit packing (TokenLoader(bos_aligned=True); nanochat 2026's pretraining loader): every row starts at
+a document's BOS, so every token sees its document from the start. Rows are filled from a buffer of `buffer_docs`
+whole documents, read in order: a document longer than a row heads the next row (its part beyond the row is lost, the
+least it can lose anywhere); otherwise the largest document that still fits goes in (the oldest of equal length),
+and when none fits, the shortest is cropped to fill the row exactly and its rest dropped. Rows have no padding; the
+price is the cropped tokens (on the builtin corpus at max_seq_len 256 about half of them, since most of its tokens
+are in documents longer than a row). The state is the reading position plus the buffered documents' tokens, so
+resume is exact here too, and n rows at once are the same rows as n calls of one.
+
 Prefetch (on by default on CUDA, off elsewhere): after the first batch, a background thread reads, tokenizes and packs
 the next batch while the trainer computes (a queue of `prefetch` batches; the main thread only moves a batch to the
 device). Every queued batch carries the loader state after it, so state_dict() describes what the caller has
@@ -82,23 +91,30 @@ class TokenLoader:
 
     tokenizer: a nanotrain.tokenizer.Tokenizer; files: the data files of one split (nanotrain.dataset).
     loop: start a new epoch when the data is exhausted (else StopIteration).
+    bos_aligned: BOS-aligned best-fit rows (module docstring) from a buffer of `buffer_docs` documents; else the
+    documents' tokens in order, cut at row boundaries.
     prefetch: batches produced ahead by a background thread (0: no thread; the batches and states are identical);
     None: 1 on CUDA, 0 elsewhere (see the module docstring).
     Raises UserError if this rank gets no document at all.
     """
 
     def __init__(self, tokenizer, files, batch_size, max_seq_len, device, rank=0, world_size=1,
-                 loop=True, tokenizer_batch_docs=128, num_threads=4, prefetch=None):
+                 loop=True, tokenizer_batch_docs=128, num_threads=4, prefetch=None, bos_aligned=False,
+                 buffer_docs=1000):
         self.tokenizer, self.files = tokenizer, list(files)
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.device = torch.device(device)
         self.rank, self.world_size, self.loop = rank, world_size, loop
         self.tokenizer_batch_docs, self.num_threads = tokenizer_batch_docs, num_threads
         self.prefetch = (1 if self.device.type == "cuda" else 0) if prefetch is None else prefetch
+        if buffer_docs < 1:
+            raise ValueError(f"buffer_docs={buffer_docs}: expected >= 1")
+        self.bos_aligned, self.buffer_docs = bos_aligned, buffer_docs
         self.bos = tokenizer.get_bos_token_id()
         self._epoch = 0
-        self._buffer = []  # list of [doc_index, np.int32 array of tokens (BOS first)]
-        self._offset = 0   # tokens of _buffer[0] already consumed
+        self._buffer = []  # list of [doc_index, np.int32 array of tokens (BOS first)], in reading order
+        self._lengths = []  # bos_aligned: the lengths of _buffer's documents
+        self._offset = 0   # tokens of _buffer[0] already consumed (always 0 when bos_aligned)
         self._next_doc = 0  # global index of the next document to read from the files
         self._docs = None  # document iterator of the current epoch
         self._epoch_docs = 0  # documents this rank read in the current epoch (0 at the end: no data for this rank)
@@ -113,25 +129,51 @@ class TokenLoader:
         return self.state_dict()["epoch"]
 
     def _producer_state(self):
-        """The position of the next token the producer has not packed yet (ahead of the caller while prefetching)."""
+        """The position of the next token the producer has not packed yet (ahead of the caller while prefetching);
+        bos_aligned: the reading position and the buffered documents (their arrays are never modified)."""
+        if self.bos_aligned:
+            return {"epoch": self._epoch, "doc_index": int(self._next_doc), "buffer": list(self._buffer)}
         if self._buffer:
             return {"epoch": self._epoch, "doc_index": int(self._buffer[0][0]), "offset": int(self._offset)}
         return {"epoch": self._epoch, "doc_index": int(self._next_doc), "offset": 0}
 
     def state_dict(self):
         """
-        The position of the next token the caller has not received: {"epoch", "doc_index", "offset"} (JSON ints).
+        The position of the next token the caller has not received: {"epoch", "doc_index", "offset"} (ints). With
+        bos_aligned: {"epoch", "doc_index" (the next document to read, ints), "buffer_docs" (int64 (n, 2): index and
+        length of each buffered document, in reading order), "buffer_tokens" (int32: their tokens, concatenated)}.
         Batches the prefetch thread has produced but not handed out are not counted.
         """
-        return dict(self._state) if self._thread is not None else self._producer_state()
+        state = dict(self._state) if self._thread is not None else self._producer_state()
+        if self.bos_aligned:
+            docs = state.pop("buffer")
+            state["buffer_docs"] = torch.tensor([[i, len(t)] for i, t in docs], dtype=torch.int64).view(-1, 2)
+            state["buffer_tokens"] = torch.from_numpy(np.concatenate([t for _, t in docs] or
+                                                                     [np.zeros(0, dtype=np.int32)]))
+        return state
 
     def load_state_dict(self, state):
-        """Continues from a position given by state_dict() (of a loader over the same files, rank and world size)."""
+        """
+        Continues from a position given by state_dict() (of a loader over the same files, rank, world size and
+        bos_aligned). Raises UserError when the state is of the other packing or does not match the files.
+        """
         self._stop_prefetch(rewind=False)
+        if self.bos_aligned != ("buffer_docs" in state):
+            raise UserError(f"loader state of {'BOS-aligned' if 'buffer_docs' in state else 'contiguous'} rows, but "
+                            f"this run packs {'BOS-aligned' if self.bos_aligned else 'contiguous'} rows; resume "
+                            f"with the --bos_aligned of the checkpoint")
         self._epoch = int(state["epoch"])
-        self._buffer, self._offset, self._docs = [], 0, None
+        self._buffer, self._lengths, self._offset, self._docs = [], [], 0, None
         self._next_doc = int(state["doc_index"])
         self._epoch_docs = 1 if self._next_doc > 0 else 0
+        if self.bos_aligned:
+            tokens = np.asarray(state["buffer_tokens"], dtype=np.int32)
+            start = 0
+            for idx, length in np.asarray(state["buffer_docs"]).tolist():
+                self._buffer.append([idx, tokens[start:start + length]])
+                self._lengths.append(length)
+                start += length
+            return
         skip = int(state["offset"])
         if skip:
             self._fill(1)
@@ -155,8 +197,9 @@ class TokenLoader:
         return out
 
     def _fill(self, need):
-        """Tokenizes documents into the buffer until it holds at least `need` unconsumed tokens."""
-        have = sum(len(t) for _, t in self._buffer) - self._offset
+        """Tokenizes documents into the buffer until it holds at least `need` unconsumed tokens (bos_aligned: at least
+        `need` documents). Fewer only at the end of a non-looping loader."""
+        have = len(self._buffer) if self.bos_aligned else sum(len(t) for _, t in self._buffer) - self._offset
         while have < need:
             docs = self._read_docs(self.tokenizer_batch_docs)
             if not docs:
@@ -173,7 +216,9 @@ class TokenLoader:
             ids = self.tokenizer.encode([t for _, t in docs], prepend=self.bos, num_threads=self.num_threads)
             for (idx, _), toks in zip(docs, ids):
                 self._buffer.append([idx, np.asarray(toks, dtype=np.int32)])
-                have += len(toks)
+                if self.bos_aligned:
+                    self._lengths.append(len(toks))
+                have += 1 if self.bos_aligned else len(toks)
 
     def _take(self, n):
         """Removes and returns the next n tokens as an np.int64 array (fewer only at the end of a non-looping run)."""
@@ -190,13 +235,43 @@ class TokenLoader:
                 self._offset = 0
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
+    def _best_fit_row(self):
+        """
+        bos_aligned: the next row of max_seq_len + 1 tokens as an np.int64 array (module docstring: a document longer
+        than a row heads it; then the largest document that fits, oldest first; when none fits, the shortest one
+        cropped). Raises StopIteration when a non-looping loader's documents cannot fill it.
+        """
+        row_len = self.max_seq_len + 1
+        parts, space = [], row_len
+        while space > 0:
+            self._fill(self.buffer_docs)
+            if not self._buffer:
+                raise StopIteration
+            lengths = np.asarray(self._lengths)
+            longer = np.flatnonzero(lengths >= row_len) if space == row_len else ()
+            fits = np.flatnonzero(lengths <= space)
+            if len(longer):
+                i = longer[0]
+            elif len(fits):
+                i = fits[np.argmax(lengths[fits])]  # argmax/argmin: the first, i.e. the oldest, of equal length
+            else:
+                i = np.argmin(lengths)
+            _, toks = self._buffer.pop(i)
+            self._lengths.pop(i)
+            parts.append(toks[:space])
+            space -= len(parts[-1])
+        return np.concatenate(parts).astype(np.int64)
+
     def _make_rows(self, batch_size):
         """
         The next batch_size rows of max_seq_len + 1 tokens as a CPU int64 tensor (pinned when the device is CUDA).
         Raises StopIteration at the end of a non-looping loader.
         """
         T = self.max_seq_len
-        tokens = self._take(batch_size * (T + 1))
+        if self.bos_aligned:
+            tokens = np.concatenate([self._best_fit_row() for _ in range(batch_size)])
+        else:
+            tokens = self._take(batch_size * (T + 1))
         if len(tokens) < batch_size * (T + 1):
             raise StopIteration
         rows = torch.from_numpy(tokens).view(batch_size, T + 1)
@@ -220,7 +295,8 @@ class TokenLoader:
             return
         self._stop.set()
         self._thread.join()
-        state, self._thread, self._queue = self._state, None, None
+        state = self.state_dict()  # the caller's position, in the form load_state_dict takes
+        self._thread = self._queue = None
         if rewind:
             self.load_state_dict(state)
 

@@ -286,14 +286,15 @@ class GPT(nn.Module):
 
     def setup_optimizers(self, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5,
                          weight_decay=0.0, adam_betas=(0.8, 0.95), ns_dtype="", muon_weight_decay=0.0,
-                         polar_express=True, muon_beta2=0.0):
+                         polar_express=True, muon_beta2=0.0, embedding_beta2=None, unembedding_beta2=None):
         """
         Returns [adamw, muon]. Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device,
         see nanotrain.muon.ns_dtype_for; polar_express, NorMuon's beta2 muon_beta2 (0: off), cautious weight decay
         muon_weight_decay) for the blocks' matrices (value-embedding gates included). torch AdamW
         (eps 1e-10; fused on CUDA, torch's default elsewhere) for the rest, in groups, with s = adamw_lr_scale:
         lm_head unembedding_lr * s; wte embedding_lr * s; value embeddings embedding_lr * s / 2 (these three with
-        betas adam_betas and weight_decay); resid_lambdas scalar_lr / 100; x0_lambdas scalar_lr with beta1 0.96;
+        betas adam_betas, the second one replaced by unembedding_beta2 for lm_head and embedding_beta2 for the two
+        embeddings where given, and weight_decay); resid_lambdas scalar_lr / 100; x0_lambdas scalar_lr with beta1 0.96;
         the smear gate, smear_lambda and backout_lambda 0.4 * scalar_lr (the lambdas without weight decay). The group
         structure follows nanochat (2026). Every param group gets "initial_lr" = its lr.
         Plain single-process optimizers: under DDP the gradients are averaged before step(). With ns_dtype "" the
@@ -307,10 +308,12 @@ class GPT(nn.Module):
         b1, b2 = adam_betas
         smear_backout = [p for p in (self.smear_gate and self.smear_gate.weight, self.smear_lambda,
                                      self.backout_lambda) if p is not None]
+        head_betas = (b1, b2 if unembedding_beta2 is None else unembedding_beta2)
+        embed_betas = (b1, b2 if embedding_beta2 is None else embedding_beta2)
         groups = [  # (params, lr, betas, weight decay)
-            ([self.lm_head.weight], unembedding_lr * s, adam_betas, weight_decay),
-            ([self.wte.weight], embedding_lr * s, adam_betas, weight_decay),
-            (list(self.value_embeds.parameters()), embedding_lr * s / 2, adam_betas, weight_decay),
+            ([self.lm_head.weight], unembedding_lr * s, head_betas, weight_decay),
+            ([self.wte.weight], embedding_lr * s, embed_betas, weight_decay),
+            (list(self.value_embeds.parameters()), embedding_lr * s / 2, embed_betas, weight_decay),
             ([self.resid_lambdas] if self.resid_lambdas is not None else [], scalar_lr / 100, adam_betas, 0.0),
             ([self.x0_lambdas] if self.x0_lambdas is not None else [], scalar_lr, (0.96, b2), 0.0),
             (smear_backout, 0.4 * scalar_lr, adam_betas, 0.0),

@@ -111,10 +111,20 @@ def muon_weight_decay_for(model_dim):
     return 0.4 * min(1.0, (512 / model_dim) ** 2)
 
 
-def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95):
-    """Muon momentum ramped linearly from `start` to `end` over the first `warmup_steps` steps (nanochat)."""
-    frac = min(step / warmup_steps, 1.0)
-    return (1 - frac) * start + frac * end
+def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, total_steps=0, warmdown_ratio=0.0, final=None):
+    """
+    Muon's momentum at optimizer step `step` (0-based): linear from `start` to `end` over the first `warmup_steps`
+    steps (0: `end` from the start), then `end`; with `final` given, linear from `end` at the start of the lr
+    warmdown (the last round(warmdown_ratio * total_steps) of total_steps, as in lr_multiplier) to `final` at the
+    last step (nanochat 2026: 0.85 -> 0.97 over 400 steps, then down to 0.90; the warmup wins where both apply).
+    """
+    if step < warmup_steps:
+        frac = step / warmup_steps
+        return (1 - frac) * start + frac * end
+    warmdown = round(warmdown_ratio * total_steps)
+    if final is None or warmdown == 0 or step < total_steps - warmdown:
+        return end
+    return end + (final - end) * (step - (total_steps - warmdown)) / warmdown
 
 
 def forward_backward(model, inputs, targets, micro_batch_size, autocast_ctx):

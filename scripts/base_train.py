@@ -62,6 +62,7 @@ from nanotrain.training import (
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/base/<run_name>; "" means d<depth> (not --run: torchrun claims that prefix)
 data = "builtin"  # training text: builtin (offline), fineweb-edu, or a local directory/glob of parquet/jsonl/txt
+bos_aligned = False  # every training row starts at a document's BOS (best-fit packing, cropping what does not fit)
 device_type = ""  # cuda | mps | cpu; "" autodetects
 seed = 42  # seed of the weight initialisation
 # model
@@ -90,10 +91,15 @@ embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)
 unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
 scalar_lr = 0.5  # AdamW lr of the learned scalars (x0_lambdas; resid_lambdas get 1/100 of it, smear/backout 0.4)
 weight_decay = 0.0  # AdamW weight decay (embeddings, lm_head)
+embedding_beta2 = 0.95  # AdamW beta2 of the token and value embeddings
+unembedding_beta2 = 0.95  # AdamW beta2 of the lm_head
 muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
 muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
+momentum = 0.95  # Muon's momentum after its warmup
+momentum_warmup = 300  # steps of Muon's linear momentum warmup from 0.85 (0: none)
+final_momentum = None  # Muon's momentum at the last step, reached linearly over the lr warmdown; None: no decay
 grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
 warmup_ratio = 0.0  # fraction of the steps with a linear lr warmup
 warmdown_ratio = 0.65  # fraction of the steps at the end with a linear lr decay to final_lr_frac
@@ -111,12 +117,12 @@ compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
 activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
-                                          "muon_weight_decay": (float,),
+                                          "muon_weight_decay": (float,), "final_momentum": (float,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
-RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "value_embeds", "smear", "backout", "x0_lambdas",
-               "rotary_base", "qk_scale")  # device_batch_size may change: same tokens
+RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "bos_aligned", "value_embeds", "smear", "backout",
+               "x0_lambdas", "rotary_base", "qk_scale")  # device_batch_size may change: same tokens
 SAMPLE_PROMPTS = ["The capital of France is", "A list in Python is", "The opposite of hot is", "def add(a, b):"]
 
 
@@ -191,7 +197,8 @@ def main():
     flops_per_token = model.estimate_flops()
     optimizers = model.setup_optimizers(matrix_lr=matrix_lr, embedding_lr=embedding_lr,
                                         unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay,
-                                        ns_dtype=ns_dtype, muon_weight_decay=muon_wd,
+                                        ns_dtype=ns_dtype, muon_weight_decay=muon_wd, embedding_beta2=embedding_beta2,
+                                        unembedding_beta2=unembedding_beta2,
                                         polar_express=polar_express, muon_beta2=muon_beta2)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
@@ -209,12 +216,13 @@ def main():
         total_steps = max(1, int(target_param_data_ratio * model.num_scaling_params()) // total_batch_size)
 
     # data: each rank reads its own share of the documents; the loader's position is part of every checkpoint
-    train_loader = TokenLoader(tokenizer, train_files, device_batch_size, max_seq_len, device, rank, world_size)
+    train_loader = TokenLoader(tokenizer, train_files, device_batch_size, max_seq_len, device, rank, world_size,
+                               bos_aligned=bos_aligned)
     if ckpt is not None:
         train_loader.load_state_dict(ckpt["rank_state"]["loader"])
         set_rng_state(ckpt["rank_state"]["rng"], device)
 
-    def val_batches():
+    def val_batches():  # contiguous rows whatever bos_aligned is: every validation token counted once
         return TokenLoader(tokenizer, val_files, device_batch_size, max_seq_len, device, rank, world_size)
     eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * world_size))
 
@@ -293,7 +301,8 @@ def main():
         check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
-        grad_norm = optimizer_step(orig_model, optimizers, lrm, muon_momentum(step), grad_clip)
+        mom = muon_momentum(step, momentum_warmup, 0.85, momentum, total_steps, warmdown_ratio, final_momentum)
+        grad_norm = optimizer_step(orig_model, optimizers, lrm, mom, grad_clip)
         check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
         synchronize(device)
         dt = time.time() - t0

@@ -4,12 +4,15 @@ resume, epochs and prefetch; exact resume of the mid-training ConversationTokenS
 """
 
 import gc
+import io
+import json
 import random
 import time
 
 import pytest
 import torch
 
+from nanotrain.common import UserError
 from nanotrain.dataloader import ConversationTokenStream, TokenLoader
 from nanotrain.dataset import resolve_data_files
 
@@ -208,6 +211,143 @@ def test_token_stream_resume_exact():
         assert torch.equal(x, straight[i][0]) and torch.equal(y, straight[i][1])
     epoch0 = torch.cat([torch.cat([x, y[:, -1:]], 1).flatten() for x, y in straight])[:total]
     assert sorted(epoch0.tolist()) == sorted(t for c_ in convs for t in c_)
+
+
+# ---------------------------------------------------------------------------- BOS-aligned best-fit rows
+
+def rows_of(loader, n):
+    """The next n rows of `loader` (one per call) as lists of max_seq_len + 1 tokens."""
+    out = []
+    for _ in range(n):
+        x, y = loader.next_batch(1)
+        out.append(torch.cat([x, y[:, -1:]], 1)[0].tolist())
+    return out
+
+
+def test_bos_aligned_rows_by_hand(byte_tokenizer, four_docs):
+    """
+    four_docs (A = BOS abcd, E = BOS ef, G = BOS ghijkl, M = BOS m: 5, 3, 7, 2 tokens) in rows of 7, a buffer of 2
+    documents read one at a time, looping: the rows worked out by hand from the rules (a document at least a row long
+    heads the row; else the largest one that fits, the oldest of equal length; when none fits, the shortest is
+    cropped and its rest dropped):
+      1. buffer A E: A fits (5); space 2, buffer E G: none fits, E (shortest) cropped to BOS e;
+      2. buffer G M: G is a row long, it heads the row;
+      3. buffer M A (epoch 1): A is the largest that fits; space 2, buffer M E: M fits exactly;
+      4. buffer E G: G;
+      5. buffer E M: E; space 4, buffer M A (epoch 2): M; space 2, buffer A E: none fits, E (shorter than A) cropped.
+    Catches: first fit instead of best fit (row 3 would be M + A), cropping the oldest document instead of the
+    shortest (row 5 would end with BOS a), keeping a cropped document's rest (row 2 would start with f, not BOS).
+    """
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 6, "cpu", tokenizer_batch_docs=1, num_threads=1,
+                         bos_aligned=True, buffer_docs=2)
+    assert rows_of(loader, 5) == [
+        [256, 97, 98, 99, 100, 256, 101],
+        [256, 103, 104, 105, 106, 107, 108],
+        [256, 97, 98, 99, 100, 256, 109],
+        [256, 103, 104, 105, 106, 107, 108],
+        [256, 101, 102, 256, 109, 256, 101],
+    ]
+    assert loader.epoch == 2
+
+
+def test_bos_aligned_long_document_heads_its_row(byte_tokenizer, tmp_path):
+    """
+    Documents BOS a, BOS bcdefghi, BOS j (2, 9, 2 tokens) in rows of 5: the long one heads the only full row and
+    loses just its 4 tokens beyond it; the short ones (4 tokens together) cannot fill a second row of a non-looping
+    loader. Catches: best fit only (nanochat's rule fills the row with BOS a, BOS j and then crops the long document
+    to its BOS: [256, 97, 256, 106, 256]).
+    """
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a", "bcdefghi", "j"]))
+    loader = TokenLoader(byte_tokenizer, [str(path)], 1, 4, "cpu", loop=False, num_threads=1, bos_aligned=True,
+                         buffer_docs=3)
+    assert drain(loader).tolist() == [256, 98, 99, 100, 101]
+
+
+def test_bos_aligned_rows_start_with_bos_and_hold_documents_from_their_start(byte_tokenizer, tmp_path):
+    """
+    200 seeded random documents of 1 to 40 letters in rows of 33: every row starts with BOS, every piece between two
+    BOS tokens is the beginning of a document (checked against the documents themselves), and rows hold several
+    documents. Catches: rows cut from the token stream (mid-document starts), a cropped document's rest used later
+    (a piece that is no document's beginning).
+    """
+    g = random.Random(0)
+    texts = ["".join(g.choice("abcdefgh") for _ in range(g.randint(1, 40))) for _ in range(200)]
+    path = tmp_path / "random.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    docs = [[256] + [ord(c) for c in t] for t in texts]
+    loader = TokenLoader(byte_tokenizer, [str(path)], 4, 32, "cpu", num_threads=1, bos_aligned=True, buffer_docs=16)
+    pieces = rows = 0
+    for _ in range(40):
+        x, y = loader.next_batch()
+        for row in torch.cat([x, y[:, -1:]], 1).tolist():
+            assert row[0] == 256
+            cuts = [i for i, t in enumerate(row) if t == 256] + [len(row)]
+            for a, b in zip(cuts, cuts[1:]):
+                assert any(d[:b - a] == row[a:b] for d in docs), row[a:b]
+            pieces, rows = pieces + len(cuts) - 1, rows + 1
+    assert pieces > 1.3 * rows
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+                                        for k in a)
+
+
+@pytest.mark.parametrize("k", [0, 3, 25])
+def test_bos_aligned_exact_resume_and_batch_size(tiny_tokenizer, files, k):
+    """
+    A BOS-aligned loader restored from state_dict() after k batches (25: past an epoch boundary, so the buffer holds
+    documents of two epochs) yields exactly the rows of the uninterrupted one, also with another batch size, and its
+    state survives a save and load through torch.save (the checkpoint's rank file, weights_only). Catches: a state
+    without the buffered documents (a resumed loader would refill and pack other rows), or n rows at once differing
+    from n calls of one row.
+    """
+    a = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", 1, 2, bos_aligned=True, buffer_docs=8)
+    for _ in range(k):
+        a.next_batch()
+    state = a.state_dict()
+    rest = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in (a.next_batch() for _ in range(6))])
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    b = TokenLoader(tiny_tokenizer, files, 9, 20, "cpu", 1, 2, bos_aligned=True, buffer_docs=8)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    x, y = b.next_batch()
+    assert torch.equal(torch.cat([x, y[:, -1:]], 1), rest[:9])
+    assert state["buffer_tokens"].dtype == torch.int32 and (len(state["buffer_docs"]) > 0) == (k > 0)
+    if k == 25:
+        assert state["epoch"] == 1
+
+
+def test_bos_aligned_prefetch_same_rows_and_states(tiny_tokenizer, files):
+    """
+    With the background thread the BOS-aligned rows and the state after each batch are those of the synchronous
+    loader, through batch size changes (each rewinds to the caller's state). Catches: the state after a batch taken
+    from the thread's read-ahead buffer, or a rewind that loads the thread's private state form.
+    """
+    sizes = [3, 3, 5, 5, 1, 3, 7, 7]
+    want = batches_and_states(TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", bos_aligned=True, buffer_docs=8,
+                                          prefetch=0), sizes)
+    loader = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", bos_aligned=True, buffer_docs=8, prefetch=2)
+    got = batches_and_states(loader, sizes)
+    assert loader._thread is not None
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) and same_state(g[2], w[2])
+
+
+def test_bos_aligned_state_of_the_other_packing_is_refused(byte_tokenizer, four_docs):
+    """A state of contiguous rows given to a BOS-aligned loader, and the reverse, is one UserError naming
+    --bos_aligned (not a KeyError, not rows from a misread position); buffer_docs < 1 is refused."""
+    plain = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
+    aligned = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, bos_aligned=True)
+    aligned.next_batch()
+    with pytest.raises(UserError, match="--bos_aligned"):
+        plain.load_state_dict(aligned.state_dict())
+    with pytest.raises(UserError, match="--bos_aligned"):
+        aligned.load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match="buffer_docs=0"):
+        TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", bos_aligned=True, buffer_docs=0)
 
 
 # ---------------------------------------------------------------------------- errors, devices, threads (literal cases)

@@ -274,6 +274,21 @@ def test_setup_optimizers(capsys):
     assert muon.param_groups[0]["lr"] == 0.02
 
 
+def test_setup_optimizers_beta2_per_group():
+    """
+    embedding_beta2 and unembedding_beta2 replace the second beta of the embeddings (token and value embeddings) and of
+    lm_head only, as literals: (0.8, 0.96) for lm_head, (0.8, 0.995) for wte and the value embeddings, the scalars
+    keep (0.8, 0.95) and (0.96, 0.95); left None, every group keeps adam_betas. Catches the two swapped (lm_head
+    getting the embeddings' beta2), the value embeddings left out, and the scalars' groups changed too.
+    """
+    model = make_model(randomize=False, smear=True, backout=True, x0_lambdas=True)
+    adamw, _ = model.setup_optimizers(embedding_beta2=0.995, unembedding_beta2=0.96)
+    assert [g["betas"] for g in adamw.param_groups] == [(0.8, 0.96), (0.8, 0.995), (0.8, 0.995), (0.8, 0.95),
+                                                         (0.96, 0.95), (0.8, 0.95)]
+    adamw, _ = model.setup_optimizers()
+    assert [g["betas"][1] for g in adamw.param_groups] == [0.95] * 6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_paths(monkeypatch):

@@ -118,13 +118,17 @@ def runs(shared_base_dir, tmp_path_factory):
     data = str(base / "epoch_data")
     n_docs = make_epoch_data(shared_base_dir, data, EPOCH_STEPS * STEP_TOKENS)
     args = [*ARGS, f"--data={data}"]
-    straight = run_script("base_train.py", *args, "--run_name=straight", base_dir=base)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the contiguous rows (the default) and BOS-aligned ones
+        straights = [pool.submit(run_script, "base_train.py", *args, f"--run_name={name}", *extra, base_dir=base)
+                     for name, extra in (("straight", []), ("straight_bos", ["--bos_aligned=True"]))]
+        straight, straight_bos = (f.result() for f in straights)
     assert straight.returncode == 0, straight.stderr[-3000:]
+    assert straight_bos.returncode == 0, straight_bos.stderr[-3000:]
     src = str(base / "base" / "straight")
 
-    def prepare(name, step, edit=None, keep=None):
+    def prepare(name, step, edit=None, keep=None, source=src):
         dst = str(base / "base" / name)
-        cut_copy(src, dst, step, keep)
+        cut_copy(source, dst, step, keep)
         if edit is not None:
             edit_rank_state(dst, step, edit)
         return dst
@@ -143,12 +147,16 @@ def runs(shared_base_dir, tmp_path_factory):
     prepare("exact15", 15)
     prepare("skip15", 15, set_loader({"epoch": 1, "doc_index": 1, "offset": 0}))
     corrupt(prepare("fallback", 10), 10)
+    prepare("exact10_bos", 10, source=str(base / "base" / "straight_bos"))
+    prepare("flip10", 10)
     corrupt(prepare("fresh", 5, keep={5}), 5)
     fresh_before = {f: open(os.path.join(base, "base", "fresh", f), "rb").read()
                     for f in ("metrics.jsonl", os.path.join("checkpoints", "step_000005", "model.pt"))}
     jobs = {name: [*args, f"--run_name={name}", "--resume=True"]
             for name in ("exact10", "reset10", "rng10", "exact15", "skip15", "fallback")}
     jobs["fresh"] = [*args, "--run_name=fresh", "--resume=True", "--num_iterations=2"]
+    jobs["exact10_bos"] = [*args, "--run_name=exact10_bos", "--resume=True", "--bos_aligned=True"]
+    jobs["flip10"] = [*args, "--run_name=flip10", "--resume=True", "--bos_aligned=True"]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_script, "base_train.py", *a, base_dir=base) for name, a in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
@@ -216,6 +224,31 @@ def test_resume_10_plus_10_is_bit_exact(runs):
     for f in ("model.pt", "optim.pt"):
         assert tensors_equal(os.path.join(ckpt_dir(runs["src"], 20), f),
                              os.path.join(ckpt_dir(run_dir(runs, "exact10"), 20), f)), f
+
+
+def test_bos_aligned_resume_10_plus_10_is_bit_exact(runs):
+    """
+    With --bos_aligned=True (rows from a buffer of documents) 10 steps, a new process with --resume=True and 10 more
+    log the straight BOS-aligned run's 20 losses exactly, and its step-10 checkpoint holds the buffered documents.
+    The BOS-aligned losses differ from the contiguous run's from step 1 (the flag reaches the loader). Catches a
+    checkpoint without the loader's buffer (the resumed loader refills it with other documents), and base_train
+    ignoring the flag.
+    """
+    bos_src = run_dir(runs, "straight_bos")
+    got = resumed_ok(runs, "exact10_bos", 10)
+    assert got == losses(bos_src)
+    state = torch.load(os.path.join(ckpt_dir(bos_src, 10), "rank_00000.pt"), weights_only=True)["loader"]
+    assert len(state["buffer_docs"]) > 0 and len(state["buffer_tokens"]) == int(state["buffer_docs"][:, 1].sum())
+    assert losses(bos_src)[1] != losses(runs["src"])[1]
+
+
+def test_resume_refuses_another_packing(runs):
+    """A contiguous-rows checkpoint resumed with --bos_aligned=True stops with one line naming the flag and both
+    values, exit code 2, before training (the rows would come from another order)."""
+    r = runs["flip10"]
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("Overriding:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+    assert "bos_aligned=False" in errors[0] and "--bos_aligned=True" in errors[0] and "step 00001" not in r.stdout
 
 
 def test_resume_without_the_loader_state_fails_the_check(runs):

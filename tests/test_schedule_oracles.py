@@ -1,7 +1,8 @@
 """
 The lr multiplier and Muon momentum schedules (nanotrain/training.py) as literal tables, worked out by hand for a few
 steps. Written against the current signatures lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio,
-final_lr_frac) and muon_momentum(step, warmup_steps, start, end): update the calls here if they change.
+final_lr_frac) and muon_momentum(step, warmup_steps, start, end, total_steps, warmdown_ratio, final): update the calls
+here if they change.
 """
 
 import pytest
@@ -44,6 +45,22 @@ def test_muon_momentum_table():
     assert [muon_momentum(k) for k in (0, 1, 150, 299, 300, 301, 10_000)] == pytest.approx(
         [0.85, 0.8503333333333334, 0.9, 0.9496666666666667, 0.95, 0.95, 0.95], abs=1e-12)
     assert muon_momentum(1, 2, start=0.5, end=0.7) == pytest.approx(0.6, abs=1e-12)
+
+
+def test_muon_momentum_warmdown_table():
+    """
+    nanochat 2026's shape on 10 steps: warmup 2 steps 0.85 -> 0.97 (0.85, 0.91), 0.97 until the lr warmdown starts
+    (round(0.5 * 10) = 5 steps: from step 5), then down by 0.014 a step towards 0.90 (0.956, 0.942, 0.928, 0.914) and
+    0.90 at step 10, where the lr reaches final_lr_frac. With no warmup the first steps are at `end`; with final None
+    the warmdown leaves the momentum alone. Catches a decay that starts a step early or late (against
+    lr_multiplier's warmdown), one that ends at `end`, one towards `start`, and a warmup of 0 steps dividing by zero.
+    """
+    got = [muon_momentum(k, 2, 0.85, 0.97, 10, 0.5, 0.90) for k in range(11)]
+    want = [0.85, 0.91, 0.97, 0.97, 0.97, 0.97, 0.956, 0.942, 0.928, 0.914, 0.90]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert [muon_momentum(k, 0, 0.85, 0.95, 4, 0.5, 0.5) for k in range(5)] == pytest.approx(
+        [0.95, 0.95, 0.95, 0.725, 0.5], abs=1e-12)
+    assert [muon_momentum(k, 0, 0.85, 0.95, 4, 0.5) for k in range(5)] == [0.95] * 5
 
 
 def test_default_muon_weight_decay_table():
