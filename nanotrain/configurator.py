@@ -226,6 +226,8 @@ RULES = {
     "momentum": Rule("a finite number in [0, 1)", lambda v: _is_real(v) and 0 <= v < 1),
     "final_momentum": Rule("a finite number in [0, 1)", lambda v: _is_real(v) and 0 <= v < 1),
     "momentum_warmup": ints(0, note="steps; 0: none"),
+    "row_packing": Rule("'contiguous', 'best_fit' or 'bos_aligned'",  # nanotrain.dataloader.ROW_PACKINGS
+                        lambda v: v in ("contiguous", "best_fit", "bos_aligned")),
     "rotary_base": reals(1, lo_open=True),
     "qk_scale": reals(0, lo_open=True),
     "grad_clip": reals(0, note="0 turns clipping off"),

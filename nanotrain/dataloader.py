@@ -3,20 +3,25 @@ The pretraining-style token loaders: rows of max_seq_len + 1 consecutive tokens,
 (batch_size, max_seq_len), with an exactly resumable state.
 
 TokenLoader (base_train): streams documents, prepends BOS, tokenizes them in batches (tiktoken, threaded) and packs
-the tokens into rows. Documents are cut at row boundaries (the nanoGPT / nanochat v0 packing): every token is trained
+the tokens into rows. With row_packing="contiguous" documents are cut at row boundaries (the nanoGPT / nanochat v0 packing): every token is trained
 exactly once per epoch. Under DDP, rank r reads the documents whose global index i has i % world_size == r, so ranks
 see disjoint data. The state is the position of the next unseen token: (epoch, index of the document it belongs to,
 offset of the token inside that document's tokens), so resume continues exactly at the next unseen tokens, whatever
 the batch size.
 
-BOS-aligned best-fit packing (TokenLoader(bos_aligned=True); nanochat 2026's pretraining loader): every row starts at
-a document's BOS, so every token sees its document from the start. Rows are filled from a buffer of `buffer_docs`
-whole documents, read in order: a document longer than a row heads the next row (its part beyond the row is lost, the
-least it can lose anywhere); otherwise the largest document that still fits goes in (the oldest of equal length),
-and when none fits, the shortest is cropped to fill the row exactly and its rest dropped. Rows have no padding; the
-price is the cropped tokens (on the builtin corpus at max_seq_len 256 about half of them, since most of its tokens
-are in documents longer than a row). The state is the reading position plus the buffered documents' tokens, so
-resume is exact here too, and n rows at once are the same rows as n calls of one.
+Best-fit rows (TokenLoader(row_packing="best_fit" or "bos_aligned")): rows are filled from a buffer of
+`buffer_docs` pieces (documents, BOS first, in reading order): a piece at least a row long heads the next row (it is
+cut there, which it would be anywhere); otherwise the largest piece that still fits goes in (the oldest of equal
+length), and when none fits the shortest one is cut to fill the row exactly. No padding either way. They differ in
+what becomes of the part of a piece that was cut off:
+- "best_fit" puts it back into the buffer as a piece of its own, so no token is lost and a document is cut only where
+  it must be (the idea of Ding et al. 2024, "Fewer Truncations Improve Language Modeling"); such a piece can head a
+  row, so about half the rows start at a BOS on the builtin corpus at max_seq_len 256 (contiguous rows: 0.5%);
+- "bos_aligned" drops it (nanochat 2026's loader): every row starts at a document's BOS, at the price of the dropped
+  tokens, which on the builtin corpus at max_seq_len 256 are about half of them (most of its tokens are in documents
+  longer than a row).
+The state is the reading position plus the buffered pieces' tokens, so resume is exact here too, and n rows at once
+are the same rows as n calls of one.
 
 Prefetch (on by default on CUDA, off elsewhere): after the first batch, a background thread reads, tokenizes and packs
 the next batch while the trainer computes (a queue of `prefetch` batches; the main thread only moves a batch to the
@@ -43,6 +48,7 @@ from nanotrain.dataset import iter_documents
 from nanotrain.sft_data import epoch_order
 
 _THREADS = weakref.WeakSet()  # live prefetch threads, each with its stop event as .stop
+ROW_PACKINGS = ("contiguous", "best_fit", "bos_aligned")  # TokenLoader's row_packing (module docstring)
 
 
 @atexit.register
@@ -91,15 +97,15 @@ class TokenLoader:
 
     tokenizer: a nanotrain.tokenizer.Tokenizer; files: the data files of one split (nanotrain.dataset).
     loop: start a new epoch when the data is exhausted (else StopIteration).
-    bos_aligned: BOS-aligned best-fit rows (module docstring) from a buffer of `buffer_docs` documents; else the
-    documents' tokens in order, cut at row boundaries.
+    row_packing: "contiguous" (the documents' tokens in order, cut at row boundaries), "best_fit" or "bos_aligned"
+    (rows filled from a buffer of `buffer_docs` pieces: module docstring). Raises ValueError for another value.
     prefetch: batches produced ahead by a background thread (0: no thread; the batches and states are identical);
     None: 1 on CUDA, 0 elsewhere (see the module docstring).
     Raises UserError if this rank gets no document at all.
     """
 
     def __init__(self, tokenizer, files, batch_size, max_seq_len, device, rank=0, world_size=1,
-                 loop=True, tokenizer_batch_docs=128, num_threads=4, prefetch=None, bos_aligned=False,
+                 loop=True, tokenizer_batch_docs=128, num_threads=4, prefetch=None, row_packing="contiguous",
                  buffer_docs=1000):
         self.tokenizer, self.files = tokenizer, list(files)
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
@@ -107,14 +113,17 @@ class TokenLoader:
         self.rank, self.world_size, self.loop = rank, world_size, loop
         self.tokenizer_batch_docs, self.num_threads = tokenizer_batch_docs, num_threads
         self.prefetch = (1 if self.device.type == "cuda" else 0) if prefetch is None else prefetch
+        if row_packing not in ROW_PACKINGS:
+            raise ValueError(f"row_packing={row_packing!r}: expected one of {', '.join(ROW_PACKINGS)}")
         if buffer_docs < 1:
             raise ValueError(f"buffer_docs={buffer_docs}: expected >= 1")
-        self.bos_aligned, self.buffer_docs = bos_aligned, buffer_docs
+        self.row_packing, self.buffer_docs = row_packing, buffer_docs
+        self.buffered = row_packing != "contiguous"  # rows from the buffer of pieces (best fit)
         self.bos = tokenizer.get_bos_token_id()
         self._epoch = 0
-        self._buffer = []  # list of [doc_index, np.int32 array of tokens (BOS first)], in reading order
-        self._lengths = []  # bos_aligned: the lengths of _buffer's documents
-        self._offset = 0   # tokens of _buffer[0] already consumed (always 0 when bos_aligned)
+        self._buffer = []  # list of [doc_index, np.int32 array of its tokens (BOS first, or a cut-off part)]
+        self._lengths = []  # buffered: the lengths of _buffer's pieces
+        self._offset = 0   # tokens of _buffer[0] already consumed (always 0 when buffered)
         self._next_doc = 0  # global index of the next document to read from the files
         self._docs = None  # document iterator of the current epoch
         self._epoch_docs = 0  # documents this rank read in the current epoch (0 at the end: no data for this rank)
@@ -130,8 +139,8 @@ class TokenLoader:
 
     def _producer_state(self):
         """The position of the next token the producer has not packed yet (ahead of the caller while prefetching);
-        bos_aligned: the reading position and the buffered documents (their arrays are never modified)."""
-        if self.bos_aligned:
+        buffered: the reading position and the buffered pieces (their arrays are never modified)."""
+        if self.buffered:
             return {"epoch": self._epoch, "doc_index": int(self._next_doc), "buffer": list(self._buffer)}
         if self._buffer:
             return {"epoch": self._epoch, "doc_index": int(self._buffer[0][0]), "offset": int(self._offset)}
@@ -140,12 +149,12 @@ class TokenLoader:
     def state_dict(self):
         """
         The position of the next token the caller has not received: {"epoch", "doc_index", "offset"} (ints). With
-        bos_aligned: {"epoch", "doc_index" (the next document to read, ints), "buffer_docs" (int64 (n, 2): index and
-        length of each buffered document, in reading order), "buffer_tokens" (int32: their tokens, concatenated)}.
-        Batches the prefetch thread has produced but not handed out are not counted.
+        best-fit rows: {"epoch", "doc_index" (the next document to read, ints), "buffer_docs" (int64 (n, 2): document
+        index and length of each buffered piece, in buffer order), "buffer_tokens" (int32: their tokens,
+        concatenated)}. Batches the prefetch thread has produced but not handed out are not counted.
         """
         state = dict(self._state) if self._thread is not None else self._producer_state()
-        if self.bos_aligned:
+        if self.buffered:
             docs = state.pop("buffer")
             state["buffer_docs"] = torch.tensor([[i, len(t)] for i, t in docs], dtype=torch.int64).view(-1, 2)
             state["buffer_tokens"] = torch.from_numpy(np.concatenate([t for _, t in docs] or
@@ -155,18 +164,19 @@ class TokenLoader:
     def load_state_dict(self, state):
         """
         Continues from a position given by state_dict() (of a loader over the same files, rank, world size and
-        bos_aligned). Raises UserError when the state is of the other packing or does not match the files.
+        row_packing). Raises UserError when the state is of contiguous rows and this loader's are best-fit, or the
+        reverse, or when it does not match the files.
         """
         self._stop_prefetch(rewind=False)
-        if self.bos_aligned != ("buffer_docs" in state):
-            raise UserError(f"loader state of {'BOS-aligned' if 'buffer_docs' in state else 'contiguous'} rows, but "
-                            f"this run packs {'BOS-aligned' if self.bos_aligned else 'contiguous'} rows; resume "
-                            f"with the --bos_aligned of the checkpoint")
+        if self.buffered != ("buffer_docs" in state):
+            raise UserError(f"loader state of {'best-fit' if 'buffer_docs' in state else 'contiguous'} rows, but this "
+                            f"run packs --row_packing={self.row_packing}; resume with the --row_packing of the "
+                            f"checkpoint")
         self._epoch = int(state["epoch"])
         self._buffer, self._lengths, self._offset, self._docs = [], [], 0, None
         self._next_doc = int(state["doc_index"])
         self._epoch_docs = 1 if self._next_doc > 0 else 0
-        if self.bos_aligned:
+        if self.buffered:
             tokens = np.asarray(state["buffer_tokens"], dtype=np.int32)
             start = 0
             for idx, length in np.asarray(state["buffer_docs"]).tolist():
@@ -197,9 +207,9 @@ class TokenLoader:
         return out
 
     def _fill(self, need):
-        """Tokenizes documents into the buffer until it holds at least `need` unconsumed tokens (bos_aligned: at least
-        `need` documents). Fewer only at the end of a non-looping loader."""
-        have = len(self._buffer) if self.bos_aligned else sum(len(t) for _, t in self._buffer) - self._offset
+        """Tokenizes documents into the buffer until it holds at least `need` unconsumed tokens (buffered: at least
+        `need` pieces). Fewer only at the end of a non-looping loader."""
+        have = len(self._buffer) if self.buffered else sum(len(t) for _, t in self._buffer) - self._offset
         while have < need:
             docs = self._read_docs(self.tokenizer_batch_docs)
             if not docs:
@@ -216,9 +226,9 @@ class TokenLoader:
             ids = self.tokenizer.encode([t for _, t in docs], prepend=self.bos, num_threads=self.num_threads)
             for (idx, _), toks in zip(docs, ids):
                 self._buffer.append([idx, np.asarray(toks, dtype=np.int32)])
-                if self.bos_aligned:
+                if self.buffered:
                     self._lengths.append(len(toks))
-                have += 1 if self.bos_aligned else len(toks)
+                have += 1 if self.buffered else len(toks)
 
     def _take(self, n):
         """Removes and returns the next n tokens as an np.int64 array (fewer only at the end of a non-looping run)."""
@@ -237,9 +247,10 @@ class TokenLoader:
 
     def _best_fit_row(self):
         """
-        bos_aligned: the next row of max_seq_len + 1 tokens as an np.int64 array (module docstring: a document longer
-        than a row heads it; then the largest document that fits, oldest first; when none fits, the shortest one
-        cropped). Raises StopIteration when a non-looping loader's documents cannot fill it.
+        The next best-fit row of max_seq_len + 1 tokens as an np.int64 array (module docstring: a piece at least a row
+        long heads it; then the largest piece that fits, oldest first; when none fits, the shortest one is cut, and
+        with "best_fit" its rest goes back into the buffer). Raises StopIteration when a non-looping loader's pieces
+        cannot fill it.
         """
         row_len = self.max_seq_len + 1
         parts, space = [], row_len
@@ -256,9 +267,12 @@ class TokenLoader:
                 i = fits[np.argmax(lengths[fits])]  # argmax/argmin: the first, i.e. the oldest, of equal length
             else:
                 i = np.argmin(lengths)
-            _, toks = self._buffer.pop(i)
+            idx, toks = self._buffer.pop(i)
             self._lengths.pop(i)
             parts.append(toks[:space])
+            if len(toks) > space and self.row_packing == "best_fit":  # the rest is a piece of its own
+                self._buffer.append([idx, toks[space:]])
+                self._lengths.append(len(toks) - space)
             space -= len(parts[-1])
         return np.concatenate(parts).astype(np.int64)
 
@@ -268,7 +282,7 @@ class TokenLoader:
         Raises StopIteration at the end of a non-looping loader.
         """
         T = self.max_seq_len
-        if self.bos_aligned:
+        if self.buffered:
             tokens = np.concatenate([self._best_fit_row() for _ in range(batch_size)])
         else:
             tokens = self._take(batch_size * (T + 1))

@@ -26,17 +26,19 @@ declare -A ROW=(  # row name -> the flags that change its technique from the def
     [x0_lambdas]="--x0_lambdas=True"
     [attention_constants]="--rotary_base=100000 --qk_scale=1.44"
     [fp32]="--dtype=float32"
-    [bos_aligned]="--bos_aligned=True"
+    [best_fit]="--row_packing=best_fit"
+    [bos_aligned]="--row_packing=bos_aligned"
     [momentum_warmup]="--momentum_warmup=0"
     [nanochat_momentum]="--momentum=0.97 --momentum_warmup=400 --final_momentum=0.90"
     [adamw_beta2]="--embedding_beta2=0.995 --unembedding_beta2=0.96"
     [adamw_weight_decay]="--weight_decay=0.01"
     [lr_warmup]="--warmup_ratio=0.1"
     [lr_batch_scaling]="--matrix_lr=0.002652 --embedding_lr=0.01768 --unembedding_lr=0.0003536 --scalar_lr=0.04419"
+    [grad_clip]="--grad_clip=0"
 )
 ORDER="defaults value_embeds polar_express muon_weight_decay muon_weight_decay_1.6 matrix_lr schedule normuon smear backout x0_lambdas \
-attention_constants fp32 bos_aligned \
-momentum_warmup nanochat_momentum adamw_beta2 adamw_weight_decay lr_warmup lr_batch_scaling"
+attention_constants fp32 best_fit bos_aligned \
+momentum_warmup nanochat_momentum adamw_beta2 adamw_weight_decay lr_warmup lr_batch_scaling grad_clip"
 for name in ${ROWS:-$ORDER}; do
     log="$NANOTRAIN_BASE_DIR/ablations/d${DEPTH}_s${STEPS}_$name.log"
     mkdir -p "$(dirname "$log")"

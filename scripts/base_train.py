@@ -62,7 +62,7 @@ from nanotrain.training import (
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/base/<run_name>; "" means d<depth> (not --run: torchrun claims that prefix)
 data = "builtin"  # training text: builtin (offline), fineweb-edu, or a local directory/glob of parquet/jsonl/txt
-bos_aligned = False  # every training row starts at a document's BOS (best-fit packing, cropping what does not fit)
+row_packing = "contiguous"  # training rows: contiguous | best_fit | bos_aligned (nanotrain/dataloader.py)
 device_type = ""  # cuda | mps | cpu; "" autodetects
 seed = 42  # seed of the weight initialisation
 # model
@@ -121,8 +121,8 @@ config = configure(globals(), none_types={"num_iterations": (int,), "device_batc
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
-RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "bos_aligned", "value_embeds", "smear", "backout",
-               "x0_lambdas", "rotary_base", "qk_scale")  # device_batch_size may change: same tokens
+RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "row_packing", "value_embeds", "smear",
+               "backout", "x0_lambdas", "rotary_base", "qk_scale")  # device_batch_size may change: same tokens
 SAMPLE_PROMPTS = ["The capital of France is", "A list in Python is", "The opposite of hot is", "def add(a, b):"]
 
 
@@ -217,12 +217,12 @@ def main():
 
     # data: each rank reads its own share of the documents; the loader's position is part of every checkpoint
     train_loader = TokenLoader(tokenizer, train_files, device_batch_size, max_seq_len, device, rank, world_size,
-                               bos_aligned=bos_aligned)
+                               row_packing=row_packing)
     if ckpt is not None:
         train_loader.load_state_dict(ckpt["rank_state"]["loader"])
         set_rng_state(ckpt["rank_state"]["rng"], device)
 
-    def val_batches():  # contiguous rows whatever bos_aligned is: every validation token counted once
+    def val_batches():  # contiguous rows whatever row_packing is: every validation token counted once
         return TokenLoader(tokenizer, val_files, device_batch_size, max_seq_len, device, rank, world_size)
     eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * world_size))
 

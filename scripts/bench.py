@@ -55,7 +55,7 @@ from nanotrain.gpt import build_model, config_from_depth
 from nanotrain.memory import measure_fake_peak
 from nanotrain.muon import ns_dtype_for
 from nanotrain.tokenizer import get_tokenizer
-from nanotrain.training import forward_backward, muon_momentum, optimizer_step, precision
+from nanotrain.training import forward_backward, muon_momentum, muon_weight_decay_for, optimizer_step, precision
 
 # ----------------------------------------------------------------------------- settings
 depth = 4  # n_layer; model_dim = depth * 64
@@ -67,6 +67,7 @@ compile = False  # torch.compile the model (the compile time shows in the first 
 activation_checkpointing = False  # recompute each block in backward (less memory, more compute), as base_train
 device_type = ""  # cuda | mps | cpu; "" autodetects
 data = "builtin"  # training text, as in base_train
+row_packing = "contiguous"  # how documents fill the rows, as base_train's --row_packing
 warmup_steps = 3  # untimed optimizer steps first (compilation, allocator, lazy optimizer state)
 steps = 10  # timed optimizer steps (without --vs)
 threads = 0  # torch intra-op threads; 0 keeps torch's default
@@ -155,7 +156,8 @@ class Setup:
         seed_everything(cfg["seed"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
             model = build_model(self.model_config, device)
-            self.optimizers = model.setup_optimizers(ns_dtype=cfg["ns_dtype"])
+            self.optimizers = model.setup_optimizers(  # base_train's default Muon weight decay: its work is timed
+                ns_dtype=cfg["ns_dtype"], muon_weight_decay=muon_weight_decay_for(self.model_config.model_dim))
         if cfg["adamw"]:
             self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
         model.activation_checkpointing = cfg["activation_checkpointing"]
@@ -163,7 +165,8 @@ class Setup:
         self.model = torch.compile(model, dynamic=False) if cfg["compile"] else model
         self.num_params, self.flops_per_token = model.num_params(), model.estimate_flops()
         self.loader = TokenLoader(tokenizer, train_files, cfg["device_batch_size"], cfg["max_seq_len"], device,
-                                  prefetch=None if cfg["prefetch"] < 0 else cfg["prefetch"])
+                                  prefetch=None if cfg["prefetch"] < 0 else cfg["prefetch"],
+                                  row_packing=cfg["row_packing"])
         self.tokenizer, self.train_files = tokenizer, train_files
         self.step_count = 0
 
@@ -189,7 +192,7 @@ class Setup:
         """Input tokens/s of a fresh TokenLoader alone (same rows per step, same prefetch), after one warm batch."""
         rows = self.cfg["device_batch_size"] * self.grad_accum_steps
         loader = TokenLoader(self.tokenizer, self.train_files, rows, self.cfg["max_seq_len"], self.device,
-                             prefetch=self.loader.prefetch)
+                             prefetch=self.loader.prefetch, row_packing=self.cfg["row_packing"])
         loader.next_batch()
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:

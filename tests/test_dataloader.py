@@ -3,6 +3,7 @@ Tests of the token loaders (nanotrain/dataloader.py): TokenLoader's shapes, dete
 resume, epochs and prefetch; exact resume of the mid-training ConversationTokenStream.
 """
 
+import collections
 import gc
 import io
 import json
@@ -213,7 +214,7 @@ def test_token_stream_resume_exact():
     assert sorted(epoch0.tolist()) == sorted(t for c_ in convs for t in c_)
 
 
-# ---------------------------------------------------------------------------- BOS-aligned best-fit rows
+# ---------------------------------------------------------------------------- best-fit rows (best_fit, bos_aligned)
 
 def rows_of(loader, n):
     """The next n rows of `loader` (one per call) as lists of max_seq_len + 1 tokens."""
@@ -239,7 +240,7 @@ def test_bos_aligned_rows_by_hand(byte_tokenizer, four_docs):
     shortest (row 5 would end with BOS a), keeping a cropped document's rest (row 2 would start with f, not BOS).
     """
     loader = TokenLoader(byte_tokenizer, four_docs, 1, 6, "cpu", tokenizer_batch_docs=1, num_threads=1,
-                         bos_aligned=True, buffer_docs=2)
+                         row_packing="bos_aligned", buffer_docs=2)
     assert rows_of(loader, 5) == [
         [256, 97, 98, 99, 100, 256, 101],
         [256, 103, 104, 105, 106, 107, 108],
@@ -248,6 +249,55 @@ def test_bos_aligned_rows_by_hand(byte_tokenizer, four_docs):
         [256, 101, 102, 256, 109, 256, 101],
     ]
     assert loader.epoch == 2
+
+
+def test_best_fit_rows_by_hand(byte_tokenizer, four_docs):
+    """
+    The same documents and settings as the BOS-aligned case above, with "best_fit": a cut-off part goes back into
+    the buffer (written e: the f of E) and can be placed later. Worked out by hand:
+      1. buffer A E: A; space 2, buffer E G: none fits, E cut to BOS e, its f back in: buffer G f;
+      2. G heads the row (a row long); buffer f M;
+      3. M is the largest that fits (2); space 5, buffer f A (epoch 1): A fits exactly;
+      4. buffer f E: E; space 4, buffer f G: f; space 3, buffer G M: M; space 1, buffer G A (epoch 2): none
+         fits, A (shorter than G) cut to its BOS, abcd back in;
+      5. buffer G abcd: G.
+    Catches the cut-off part dropped (row 4 would not hold the f, as in "bos_aligned"), and a rest put back at the
+    front of the buffer (the oldest place: row 3 would start with f).
+    """
+    loader = TokenLoader(byte_tokenizer, four_docs, 1, 6, "cpu", tokenizer_batch_docs=1, num_threads=1,
+                         row_packing="best_fit", buffer_docs=2)
+    assert rows_of(loader, 5) == [
+        [256, 97, 98, 99, 100, 256, 101],
+        [256, 103, 104, 105, 106, 107, 108],
+        [256, 109, 256, 97, 98, 99, 100],
+        [256, 101, 102, 102, 256, 109, 256],
+        [256, 103, 104, 105, 106, 107, 108],
+    ]
+
+
+def test_best_fit_loses_no_token_of_an_epoch(byte_tokenizer, tmp_path):
+    """
+    200 seeded random documents of 1 to 120 letters (many longer than the rows of 33) through a non-looping
+    "best_fit" loader: the rows hold every token of the epoch exactly once (as a multiset) except fewer than one
+    row's worth at the very end, and more rows start at a BOS than the contiguous rows' share. Catches a cut-off part
+    dropped or placed twice, and "bos_aligned"'s loss (about a third of these tokens).
+    """
+    g = random.Random(1)
+    texts = ["".join(g.choice("abcdefgh") for _ in range(g.randint(1, 120))) for _ in range(200)]
+    path = tmp_path / "random.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    want = collections.Counter(tok for t in texts for tok in [256] + [ord(c) for c in t])
+    for packing in ("best_fit", "bos_aligned"):
+        rows = drain(TokenLoader(byte_tokenizer, [str(path)], 4, 32, "cpu", loop=False, num_threads=1,
+                                 row_packing=packing, buffer_docs=16)).reshape(-1, 33)
+        got = collections.Counter(rows.reshape(-1).tolist())
+        missing = sum((want - got).values())
+        assert not got - want  # nothing placed twice, nothing made up
+        if packing == "best_fit":
+            assert missing < 4 * 33, missing  # at most the last, unfinished batch of 4 rows
+            assert (rows[:, 0] == 256).mean() > 0.3
+        else:
+            assert missing > sum(want.values()) / 4, missing
 
 
 def test_bos_aligned_long_document_heads_its_row(byte_tokenizer, tmp_path):
@@ -259,9 +309,13 @@ def test_bos_aligned_long_document_heads_its_row(byte_tokenizer, tmp_path):
     """
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a", "bcdefghi", "j"]))
-    loader = TokenLoader(byte_tokenizer, [str(path)], 1, 4, "cpu", loop=False, num_threads=1, bos_aligned=True,
-                         buffer_docs=3)
+    loader = TokenLoader(byte_tokenizer, [str(path)], 1, 4, "cpu", loop=False, num_threads=1,
+                         row_packing="bos_aligned", buffer_docs=3)
     assert drain(loader).tolist() == [256, 98, 99, 100, 101]
+    # "best_fit" keeps the long document's rest bcde -> fghi (4 tokens) and fills its row with a cut BOS a
+    loader = TokenLoader(byte_tokenizer, [str(path)], 1, 4, "cpu", loop=False, num_threads=1,
+                         row_packing="best_fit", buffer_docs=3)
+    assert drain(loader).tolist() == [256, 98, 99, 100, 101, 102, 103, 104, 105, 256]
 
 
 def test_bos_aligned_rows_start_with_bos_and_hold_documents_from_their_start(byte_tokenizer, tmp_path):
@@ -276,7 +330,8 @@ def test_bos_aligned_rows_start_with_bos_and_hold_documents_from_their_start(byt
     path = tmp_path / "random.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     docs = [[256] + [ord(c) for c in t] for t in texts]
-    loader = TokenLoader(byte_tokenizer, [str(path)], 4, 32, "cpu", num_threads=1, bos_aligned=True, buffer_docs=16)
+    loader = TokenLoader(byte_tokenizer, [str(path)], 4, 32, "cpu", num_threads=1, row_packing="bos_aligned",
+                         buffer_docs=16)
     pieces = rows = 0
     for _ in range(40):
         x, y = loader.next_batch()
@@ -294,60 +349,66 @@ def same_state(a, b):
                                         for k in a)
 
 
-@pytest.mark.parametrize("k", [0, 3, 25])
-def test_bos_aligned_exact_resume_and_batch_size(tiny_tokenizer, files, k):
+@pytest.mark.parametrize("packing", ["best_fit", "bos_aligned"])
+@pytest.mark.parametrize("k", [0, 3, "epoch"])
+def test_best_fit_exact_resume_and_batch_size(tiny_tokenizer, files, k, packing):
     """
-    A BOS-aligned loader restored from state_dict() after k batches (25: past an epoch boundary, so the buffer holds
-    documents of two epochs) yields exactly the rows of the uninterrupted one, also with another batch size, and its
+    A best-fit loader restored from state_dict() after k batches ("epoch": until epoch 1 has begun, then 2 more, so
+    the buffer holds pieces of two epochs) yields exactly the rows of the uninterrupted one, also with another batch size, and its
     state survives a save and load through torch.save (the checkpoint's rank file, weights_only). Catches: a state
     without the buffered documents (a resumed loader would refill and pack other rows), or n rows at once differing
     from n calls of one row.
     """
-    a = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", 1, 2, bos_aligned=True, buffer_docs=8)
-    for _ in range(k):
+    a = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", 1, 2, row_packing=packing, buffer_docs=8)
+    for _ in range(k if k != "epoch" else 2):
+        a.next_batch()
+    while k == "epoch" and a.epoch == 0:
         a.next_batch()
     state = a.state_dict()
     rest = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in (a.next_batch() for _ in range(6))])
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
-    b = TokenLoader(tiny_tokenizer, files, 9, 20, "cpu", 1, 2, bos_aligned=True, buffer_docs=8)
+    b = TokenLoader(tiny_tokenizer, files, 9, 20, "cpu", 1, 2, row_packing=packing, buffer_docs=8)
     b.load_state_dict(torch.load(buf, weights_only=True))
     x, y = b.next_batch()
     assert torch.equal(torch.cat([x, y[:, -1:]], 1), rest[:9])
-    assert state["buffer_tokens"].dtype == torch.int32 and (len(state["buffer_docs"]) > 0) == (k > 0)
-    if k == 25:
+    assert state["buffer_tokens"].dtype == torch.int32 and (len(state["buffer_docs"]) > 0) == (k != 0)
+    if k == "epoch":
         assert state["epoch"] == 1
 
 
-def test_bos_aligned_prefetch_same_rows_and_states(tiny_tokenizer, files):
+@pytest.mark.parametrize("packing", ["best_fit", "bos_aligned"])
+def test_best_fit_prefetch_same_rows_and_states(tiny_tokenizer, files, packing):
     """
-    With the background thread the BOS-aligned rows and the state after each batch are those of the synchronous
+    With the background thread the best-fit rows and the state after each batch are those of the synchronous
     loader, through batch size changes (each rewinds to the caller's state). Catches: the state after a batch taken
     from the thread's read-ahead buffer, or a rewind that loads the thread's private state form.
     """
     sizes = [3, 3, 5, 5, 1, 3, 7, 7]
-    want = batches_and_states(TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", bos_aligned=True, buffer_docs=8,
+    want = batches_and_states(TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", row_packing=packing, buffer_docs=8,
                                           prefetch=0), sizes)
-    loader = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", bos_aligned=True, buffer_docs=8, prefetch=2)
+    loader = TokenLoader(tiny_tokenizer, files, 3, 20, "cpu", row_packing=packing, buffer_docs=8, prefetch=2)
     got = batches_and_states(loader, sizes)
     assert loader._thread is not None
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) and same_state(g[2], w[2])
 
 
-def test_bos_aligned_state_of_the_other_packing_is_refused(byte_tokenizer, four_docs):
-    """A state of contiguous rows given to a BOS-aligned loader, and the reverse, is one UserError naming
-    --bos_aligned (not a KeyError, not rows from a misread position); buffer_docs < 1 is refused."""
+def test_best_fit_state_of_the_other_packing_is_refused(byte_tokenizer, four_docs):
+    """A state of contiguous rows given to a best-fit loader, and the reverse, is one UserError naming --row_packing
+    (not a KeyError, not rows from a misread position); an unknown row_packing and buffer_docs < 1 are refused."""
     plain = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
-    aligned = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, bos_aligned=True)
-    aligned.next_batch()
-    with pytest.raises(UserError, match="--bos_aligned"):
-        plain.load_state_dict(aligned.state_dict())
-    with pytest.raises(UserError, match="--bos_aligned"):
-        aligned.load_state_dict(plain.state_dict())
+    fitted = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, row_packing="best_fit")
+    fitted.next_batch()
+    with pytest.raises(UserError, match="--row_packing=contiguous"):
+        plain.load_state_dict(fitted.state_dict())
+    with pytest.raises(UserError, match="--row_packing=best_fit"):
+        fitted.load_state_dict(plain.state_dict())
     with pytest.raises(ValueError, match="buffer_docs=0"):
-        TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", bos_aligned=True, buffer_docs=0)
+        TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", row_packing="best_fit", buffer_docs=0)
+    with pytest.raises(ValueError, match="row_packing='bestfit'"):
+        TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", row_packing="bestfit")
 
 
 # ---------------------------------------------------------------------------- errors, devices, threads (literal cases)

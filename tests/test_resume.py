@@ -23,7 +23,7 @@ pytestmark = pytest.mark.smoke
 
 STEPS, SAVE_EVERY, EPOCH_STEPS = 20, 5, 15
 STEP_TOKENS = 8 * 65  # TINY_TRAIN: 512 tokens per step = 2 micro-batches x 4 rows of max_seq_len + 1 = 65 tokens
-ARGS = [*TINY_TRAIN, f"--num_iterations={STEPS}", f"--save_every={SAVE_EVERY}"]
+ARGS = [*TINY_TRAIN, f"--num_iterations={STEPS}", f"--save_every={SAVE_EVERY}", "--row_packing=contiguous"]
 
 
 def make_epoch_data(shared_base_dir, out_dir, epoch_tokens):
@@ -118,12 +118,12 @@ def runs(shared_base_dir, tmp_path_factory):
     data = str(base / "epoch_data")
     n_docs = make_epoch_data(shared_base_dir, data, EPOCH_STEPS * STEP_TOKENS)
     args = [*ARGS, f"--data={data}"]
-    with ThreadPoolExecutor(max_workers=2) as pool:  # the contiguous rows (the default) and BOS-aligned ones
+    with ThreadPoolExecutor(max_workers=2) as pool:  # contiguous rows (the epoch tests below) and best-fit ones
         straights = [pool.submit(run_script, "base_train.py", *args, f"--run_name={name}", *extra, base_dir=base)
-                     for name, extra in (("straight", []), ("straight_bos", ["--bos_aligned=True"]))]
-        straight, straight_bos = (f.result() for f in straights)
+                     for name, extra in (("straight", []), ("straight_fit", ["--row_packing=best_fit"]))]
+        straight, straight_fit = (f.result() for f in straights)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    assert straight_bos.returncode == 0, straight_bos.stderr[-3000:]
+    assert straight_fit.returncode == 0, straight_fit.stderr[-3000:]
     src = str(base / "base" / "straight")
 
     def prepare(name, step, edit=None, keep=None, source=src):
@@ -147,7 +147,7 @@ def runs(shared_base_dir, tmp_path_factory):
     prepare("exact15", 15)
     prepare("skip15", 15, set_loader({"epoch": 1, "doc_index": 1, "offset": 0}))
     corrupt(prepare("fallback", 10), 10)
-    prepare("exact10_bos", 10, source=str(base / "base" / "straight_bos"))
+    prepare("exact10_fit", 10, source=str(base / "base" / "straight_fit"))
     prepare("flip10", 10)
     corrupt(prepare("fresh", 5, keep={5}), 5)
     fresh_before = {f: open(os.path.join(base, "base", "fresh", f), "rb").read()
@@ -155,8 +155,8 @@ def runs(shared_base_dir, tmp_path_factory):
     jobs = {name: [*args, f"--run_name={name}", "--resume=True"]
             for name in ("exact10", "reset10", "rng10", "exact15", "skip15", "fallback")}
     jobs["fresh"] = [*args, "--run_name=fresh", "--resume=True", "--num_iterations=2"]
-    jobs["exact10_bos"] = [*args, "--run_name=exact10_bos", "--resume=True", "--bos_aligned=True"]
-    jobs["flip10"] = [*args, "--run_name=flip10", "--resume=True", "--bos_aligned=True"]
+    jobs["exact10_fit"] = [*args, "--run_name=exact10_fit", "--resume=True", "--row_packing=best_fit"]
+    jobs["flip10"] = [*args, "--run_name=flip10", "--resume=True", "--row_packing=best_fit"]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_script, "base_train.py", *a, base_dir=base) for name, a in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
@@ -226,29 +226,30 @@ def test_resume_10_plus_10_is_bit_exact(runs):
                              os.path.join(ckpt_dir(run_dir(runs, "exact10"), 20), f)), f
 
 
-def test_bos_aligned_resume_10_plus_10_is_bit_exact(runs):
+def test_best_fit_resume_10_plus_10_is_bit_exact(runs):
     """
-    With --bos_aligned=True (rows from a buffer of documents) 10 steps, a new process with --resume=True and 10 more
-    log the straight BOS-aligned run's 20 losses exactly, and its step-10 checkpoint holds the buffered documents.
-    The BOS-aligned losses differ from the contiguous run's from step 1 (the flag reaches the loader). Catches a
-    checkpoint without the loader's buffer (the resumed loader refills it with other documents), and base_train
-    ignoring the flag.
+    With --row_packing=best_fit (rows from a buffer of pieces) 10 steps, a new process with --resume=True and 10 more
+    log the straight best-fit run's 20 losses exactly, and its step-10 checkpoint holds the buffered pieces. The
+    best-fit losses differ from the contiguous run's from step 1 (the flag reaches the loader). Catches a checkpoint
+    without the loader's buffer (the resumed loader refills it with other documents), and base_train ignoring the
+    flag.
     """
-    bos_src = run_dir(runs, "straight_bos")
-    got = resumed_ok(runs, "exact10_bos", 10)
-    assert got == losses(bos_src)
-    state = torch.load(os.path.join(ckpt_dir(bos_src, 10), "rank_00000.pt"), weights_only=True)["loader"]
+    fit_src = run_dir(runs, "straight_fit")
+    got = resumed_ok(runs, "exact10_fit", 10)
+    assert got == losses(fit_src)
+    state = torch.load(os.path.join(ckpt_dir(fit_src, 10), "rank_00000.pt"), weights_only=True)["loader"]
     assert len(state["buffer_docs"]) > 0 and len(state["buffer_tokens"]) == int(state["buffer_docs"][:, 1].sum())
-    assert losses(bos_src)[1] != losses(runs["src"])[1]
+    assert losses(fit_src)[1] != losses(runs["src"])[1]
 
 
 def test_resume_refuses_another_packing(runs):
-    """A contiguous-rows checkpoint resumed with --bos_aligned=True stops with one line naming the flag and both
+    """A contiguous-rows checkpoint resumed with --row_packing=best_fit stops with one line naming the flag and both
     values, exit code 2, before training (the rows would come from another order)."""
     r = runs["flip10"]
     errors = [line for line in r.stderr.splitlines() if not line.startswith("Overriding:")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
-    assert "bos_aligned=False" in errors[0] and "--bos_aligned=True" in errors[0] and "step 00001" not in r.stdout
+    assert "row_packing='contiguous'" in errors[0] and "--row_packing='best_fit'" in errors[0]
+    assert "step 00001" not in r.stdout
 
 
 def test_resume_without_the_loader_state_fails_the_check(runs):
