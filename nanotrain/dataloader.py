@@ -3,11 +3,11 @@ The pretraining-style token loaders: rows of max_seq_len + 1 consecutive tokens,
 (batch_size, max_seq_len), with an exactly resumable state.
 
 TokenLoader (base_train): streams documents, prepends BOS, tokenizes them in batches (tiktoken, threaded) and packs
-the tokens into rows. With row_packing="contiguous" documents are cut at row boundaries (the nanoGPT / nanochat v0 packing): every token is trained
-exactly once per epoch. Under DDP, rank r reads the documents whose global index i has i % world_size == r, so ranks
-see disjoint data. The state is the position of the next unseen token: (epoch, index of the document it belongs to,
-offset of the token inside that document's tokens), so resume continues exactly at the next unseen tokens, whatever
-the batch size.
+the tokens into rows. Under DDP, rank r reads the documents whose global index i has i % world_size == r, so ranks
+see disjoint data. With row_packing="contiguous" (the default) documents are cut at row boundaries (the nanoGPT /
+nanochat v1 packing): every token is trained exactly once per epoch, and the state is the position of the next unseen
+token: (epoch, index of the document it belongs to, offset of the token inside that document's tokens), so resume
+continues exactly at the next unseen tokens, whatever the batch size.
 
 Best-fit rows (TokenLoader(row_packing="best_fit" or "bos_aligned")): rows are filled from a buffer of
 `buffer_docs` pieces (documents, BOS first, in reading order): a piece at least a row long heads the next row (it is

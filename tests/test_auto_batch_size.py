@@ -1131,7 +1131,9 @@ def test_step_down_under_a_process_group(one_rank_mesh, monkeypatch, tmp_path):
                                                     log=lambda *a: None, record_path=path)
     assert batch_size == 8 and os.path.exists(record["cache_path"])
     x, y = torch.randint(0, 256, (8, 32)), torch.randint(0, 256, (8, 32))
-    with pytest.raises(UserError, match="--fsdp=True: the out-of-memory step-down"):
+    with pytest.raises(UserError, match=r"^--fsdp=True: the out-of-memory step-down of --auto_batch_size is not "
+                                         r"available under FSDP \(collectives inside forward/backward\); use "
+                                         r"forward_backward$"):  # the whole line a user reads
         OOMStepDown(record, path, 8, log=lambda *a: None).forward_backward(
             shard_model(build("cpu")[0], torch.device("cpu"), torch.float32), x, y, nullcontext(), step=0)
     model, _ = build("cpu")
@@ -1237,3 +1239,29 @@ def test_code_fingerprint_covers_the_builders_package_and_not_where_it_runs(tmp_
     assert ab.code_fingerprint(functools.partial(build)) == ab.code_fingerprint(functools.partial(len))
     (pkg / "model.py").write_text("WIDTH = 8\n")
     assert ab.code_fingerprint(build) != before
+
+
+@pytest.mark.unit
+def test_discovery_measures_in_the_training_dtype_and_defaults_to_eager(monkeypatch, tmp_path):
+    """
+    The fake probes of a discovery measure the step in the training dtype: with amp_dtype=torch.bfloat16 each probe's
+    recorded peak equals measure_fake_peak of the same step under bf16 autocast, and differs from the fp32 step's
+    (the activations are half as large). Without a compile argument the key records an eager step (compile False).
+    Catches the probe built without the dtype (it would measure fp32 and over-estimate a bf16 run's memory, choosing
+    too small a batch) and a compiled default.
+    """
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    build = gpt_builder(TINY_GPT)
+    records = {}
+    for amp in (torch.bfloat16, None):
+        _, records[amp] = discover_device_batch_size(build, max_seq_len=32, vocab_size=256,
+                                                     total_batch_size=32 * 8, world_size=1, device="cpu",
+                                                     amp_dtype=amp, device_memory_gb=1, key_fields={},
+                                                     log=lambda *a: None)
+    assert records[torch.bfloat16]["cache_key"]["compile"] is False
+    probe = records[torch.bfloat16]["probes"][0]
+    direct = {amp: measure_fake_peak(build, probe["batch_size"], max_seq_len=32, vocab_size=256, amp_dtype=amp)
+              for amp in (torch.bfloat16, None)}
+    assert probe["peak_bytes"] == direct[torch.bfloat16] != direct[None]
+    fp32_probe = next(p for p in records[None]["probes"] if p["batch_size"] == probe["batch_size"])
+    assert fp32_probe["peak_bytes"] == direct[None]
