@@ -156,8 +156,9 @@ class Setup:
         seed_everything(cfg["seed"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
             model = build_model(self.model_config, device)
-            self.optimizers = model.setup_optimizers(  # base_train's default Muon weight decay: its work is timed
-                ns_dtype=cfg["ns_dtype"], muon_weight_decay=muon_weight_decay_for(self.model_config.model_dim))
+            self.optimizers = model.setup_optimizers(  # base_train's default weight decays and betas: timed as trained
+                ns_dtype=cfg["ns_dtype"], muon_weight_decay=muon_weight_decay_for(self.model_config.model_dim),
+                weight_decay=0.01, embedding_beta2=0.995, unembedding_beta2=0.96)
         if cfg["adamw"]:
             self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
         model.activation_checkpointing = cfg["activation_checkpointing"]
