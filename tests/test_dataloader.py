@@ -395,20 +395,44 @@ def test_best_fit_prefetch_same_rows_and_states(tiny_tokenizer, files, packing):
         assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) and same_state(g[2], w[2])
 
 
+def test_best_fit_piece_exactly_a_row_long_heads_the_row_before_a_longer_one(byte_tokenizer, tmp_path):
+    """
+    Documents BOS abc, BOS defgh (4 and 6 tokens) in rows of 4, a buffer of 2: both are at least a row long, so the
+    oldest, BOS abc, heads the first row whole; BOS defgh is cut to BOS def and its rest gh (2 tokens) cannot fill a
+    third row of a non-looping loader. Catches "longer than a row" in place of "at least a row long" (the piece of
+    exactly a row's length is then only the largest that fits: BOS defgh heads the first row and BOS abc follows).
+    """
+    path = tmp_path / "exact.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["abc", "defgh"]))
+    loader = TokenLoader(byte_tokenizer, [str(path)], 1, 3, "cpu", loop=False, num_threads=1,
+                         row_packing="best_fit", buffer_docs=2)
+    assert drain(loader).tolist() == [256, 97, 98, 99, 256, 100, 101, 102]
+
+
 def test_best_fit_state_of_the_other_packing_is_refused(byte_tokenizer, four_docs):
     """A state of contiguous rows given to a best-fit loader, and the reverse, is one UserError naming --row_packing
-    (not a KeyError, not rows from a misread position); an unknown row_packing and buffer_docs < 1 are refused."""
+    (not a KeyError, not rows from a misread position); an unknown row_packing and buffer_docs < 1 are refused, with
+    the whole line pinned; a buffer of 1 is accepted (catches the bound written as <= 1 or < 2)."""
     plain = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1)
     fitted = TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", num_threads=1, row_packing="best_fit")
     fitted.next_batch()
-    with pytest.raises(UserError, match="--row_packing=contiguous"):
+    with pytest.raises(UserError) as e:
         plain.load_state_dict(fitted.state_dict())
-    with pytest.raises(UserError, match="--row_packing=best_fit"):
+    assert str(e.value) == ("loader state of best-fit rows, but this run packs --row_packing=contiguous; resume with "
+                            "the --row_packing of the checkpoint")
+    with pytest.raises(UserError) as e:
         fitted.load_state_dict(plain.state_dict())
+    assert str(e.value) == ("loader state of contiguous rows, but this run packs --row_packing=best_fit; resume with "
+                            "the --row_packing of the checkpoint")
     with pytest.raises(ValueError, match="buffer_docs=0"):
         TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", row_packing="best_fit", buffer_docs=0)
-    with pytest.raises(ValueError, match="row_packing='bestfit'"):
+    with pytest.raises(ValueError) as e:
         TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", row_packing="bestfit")
+    assert str(e.value) == "row_packing='bestfit': expected one of contiguous, best_fit, bos_aligned"
+    # a buffer of one piece is the smallest allowed: the rows take the pieces in reading order
+    one = TokenLoader(byte_tokenizer, four_docs, 1, 6, "cpu", tokenizer_batch_docs=1, num_threads=1,
+                      row_packing="best_fit", buffer_docs=1)
+    assert rows_of(one, 2) == [[256, 97, 98, 99, 100, 256, 101], [102, 256, 103, 104, 105, 106, 107]]
 
 
 # ---------------------------------------------------------------------------- errors, devices, threads (literal cases)
