@@ -61,6 +61,10 @@ def test_muon_momentum_warmdown_table():
     assert [muon_momentum(k, 0, 0.85, 0.95, 4, 0.5, 0.5) for k in range(5)] == pytest.approx(
         [0.95, 0.95, 0.95, 0.725, 0.5], abs=1e-12)
     assert [muon_momentum(k, 0, 0.85, 0.95, 4, 0.5) for k in range(5)] == [0.95] * 5
+    # `final` without the run's length or warmdown: no warmdown (the defaults total_steps 0, warmdown_ratio 0), so
+    # `end` at every step after the warmup; catches either default changed (1.0: a decay over the whole run)
+    assert [muon_momentum(k, 0, final=0.5, total_steps=4) for k in range(5)] == [0.95] * 5
+    assert muon_momentum(350, final=0.5, warmdown_ratio=1.0) == 0.95
 
 
 def test_default_muon_weight_decay_table():
