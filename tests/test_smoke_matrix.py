@@ -222,9 +222,16 @@ def load_weights(run_dir, step):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
-@pytest.mark.parametrize("accum", [1, 2], ids=["accum1", "accum2"])
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.dist)], ids=["1rank", "2ranks"])
+def cell(nproc, accum, resumed):
+    """One (nproc, accum, resumed) cell of the matrix: 2 ranks are `dist`; 1 rank with accumulation 2, resumed, is
+    `slow` (a resume with accumulation 2 stays in the default run on 2 ranks, and a resume on 1 rank with
+    accumulation 1), which keeps the default run under its 10 minutes."""
+    marks = [pytest.mark.dist] if nproc == 2 else [pytest.mark.slow] if accum == 2 and resumed else []
+    return pytest.param(nproc, accum, resumed, marks=marks,
+                        id=f"{nproc}rank{'s' if nproc > 1 else ''}-accum{accum}-{'resumed' if resumed else 'fresh'}")
+
+
+@pytest.mark.parametrize("nproc,accum,resumed", [cell(n, a, r) for n in (1, 2) for a in (1, 2) for r in (False, True)])
 @pytest.mark.parametrize("script", list(STAGE))
 def test_cell(matrix, monkeypatch, script, nproc, accum, resumed):
     """
