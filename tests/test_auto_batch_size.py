@@ -151,6 +151,18 @@ def test_candidates_user_error_shows_the_arithmetic():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("args", [(0, 64, 1), (1024, 0, 1), (1024, 64, 0), (-128, 64, 1)])
+def test_candidates_refuse_non_positive_arguments_in_one_line(args):
+    """Each of the three arguments alone at 0 (or a negative total): the whole one-line message. Catches a check that
+    leaves one argument out (0 tokens give no candidates; a 0 row length or world size divides by zero)."""
+    total, seq, world = args
+    with pytest.raises(UserError) as info:
+        candidate_batch_sizes(total, seq, world)
+    assert str(info.value) == (f"--total_batch_size={total}, --max_seq_len={seq} and world_size={world} must be "
+                               f"positive")
+
+
+@pytest.mark.unit
 def test_next_smaller_candidate():
     """Catches: stepping down by halving (16 -> 8 when 12 is valid) or returning a non-candidate."""
     cands = divisors(48)
@@ -188,6 +200,27 @@ def test_search_finds_exactly_the_largest_fitting_candidate_within_the_bound():
             assert len(device.calls) <= bound(len(cands)), (cands, device.calls)
             assert len(set(device.calls)) == len(device.calls), device.calls
             assert set(device.calls) <= set(cands)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("start_index,largest_fit,calls", [
+    (3, 8, [8, 16]),  # the prediction is right: it and the next size up, nothing else
+    (4, 8, [16, 8]),  # one too high: it, then the size below
+    (0, 1, [1, 2]),  # the smallest index as given, not moved up
+    (99, 8, [64, 32, 4, 8, 16]),  # past the end: clamped to the largest, then its neighbour, then bisection
+    (-5, 1, [1, 2]),  # below 0: clamped to the smallest
+])
+def test_search_from_a_predicted_index_probes_this_literal_sequence(start_index, largest_fit, calls):
+    """The sizes probed, in order, on candidates [1, 2, 4, 8, 16, 32, 64] (worked by hand). Catches a neighbour on the
+    wrong side (a right guess probing downwards wastes the bisection's first probes), a neighbour two away, a clamp
+    to index 1 or past the end (IndexError)."""
+    probed = []
+
+    def fits(b):
+        probed.append(b)
+        return b <= largest_fit
+    assert search_batch_size(fits, [1, 2, 4, 8, 16, 32, 64], start_index=start_index) == largest_fit
+    assert probed == calls
 
 
 def gallop_from_one(fits, candidates):
@@ -575,6 +608,96 @@ def test_discovery_nothing_fits_names_the_peak_and_the_flags(monkeypatch, tmp_pa
         discover_device_batch_size(build_tiny, device_memory_gb=1e-6, log=lambda *a: None, **TINY_ARGS)
 
 
+def build_wide_tiny(device):
+    """TinyLM with a 16,384-token vocabulary: its full fp32 logits make each row of 256 tokens cost ~48 MiB, so peaks
+    differ in the second decimal of a GiB."""
+    with torch.device(device):
+        model = TinyLM(vocab_size=16384, dim=16)
+    return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)]
+
+
+@pytest.mark.unit
+def test_discovery_nothing_fits_message_pinned_whole(monkeypatch, tmp_path):
+    """The whole message when nothing fits, for candidates [1, 2, 4] (probes 2 then 1) under a 0.01 GiB budget: it
+    quotes the smallest candidate's own peak (0.05 GiB; 2 rows peak at 0.10) and the limit in GiB. Catches quoting
+    the last probe that is not the smallest (2's peak), bytes multiplied by 2**30 instead of divided."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    peaks = {b: measure_fake_peak(build_wide_tiny, b, max_seq_len=256, vocab_size=16384) for b in (1, 2)}
+    assert (f"{peaks[1] / GiB:.2f}", f"{peaks[2] / GiB:.2f}") == ("0.05", "0.10")  # the premise: distinguishable
+    with pytest.raises(UserError) as info:
+        discover_device_batch_size(build_wide_tiny, max_seq_len=256, vocab_size=16384, total_batch_size=256 * 4,
+                                   world_size=1, device="cpu", device_memory_gb=0.01, use_cache=False, key_fields={},
+                                   log=lambda *a: None)
+    assert str(info.value) == (
+        "no device_batch_size fits in memory: the smallest candidate, 1, peaks at 0.05 GiB (over budget) but the limit "
+        "is 0.85 x 0.01 GiB = 0.01 GiB; use a larger --device_memory_gb (CPU/MPS budget), a smaller --max_seq_len, "
+        "a smaller model or activation checkpointing")
+
+
+@pytest.mark.unit
+def test_a_peak_exactly_at_the_limit_fits(monkeypatch, tmp_path):
+    """The contract is 'peaks at most margin * budget': with margin 1 and a budget of exactly the 8-row peak (a whole
+    number of bytes), 8 fits and 16 does not. Catches `>=` for `>` in the over-budget test (answer 4)."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    peaks = tiny_peaks((8, 16))
+    assert peaks[8] < peaks[16]
+    batch_size, record = discover_device_batch_size(build_tiny, device_memory_gb=peaks[8] / GiB, margin=1.0,
+                                                    use_cache=False, log=lambda *a: None, **TINY_ARGS)
+    assert record["limit_bytes"] == peaks[8]
+    assert batch_size == 8
+    assert {p["batch_size"]: p["result"] for p in record["probes"]}[8] == "fits"
+
+
+def masked(lines):
+    """Log lines with their elapsed seconds (the only timing in them) replaced by 'Ts'."""
+    return [re.sub(r"\| [\d.]+s( \||$)", r"| Ts\1", ln) for ln in lines]
+
+
+@pytest.mark.unit
+def test_log_lines_and_records_pinned_whole_on_miss_hit_and_no_cache(monkeypatch, tmp_path):
+    """Every log line written out (seconds masked) for a budget at which the largest candidate, 64, peaks at exactly
+    80.0% (under the 0.85 margin, so the search probes 8, 32, 64); then the same call again (a hit: no probe, the
+    record names the cache file); then with use_cache=False (no read, no write). Catches: GiB multiplied instead of
+    divided, the device's source missing from the header, a percentage that is not 100 x peak / budget, the hit
+    logged as None or as a miss, a hit's record without its cache file, probe seconds rounded to whole seconds, and
+    use_cache=False still reading the cache."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    peaks = tiny_peaks((8, 32, 64))
+    gb = peaks[64] / 0.8 / GiB
+
+    def run(**kwargs):
+        lines = []
+        batch_size, record = discover_device_batch_size(build_tiny, device_memory_gb=gb, log=lines.append,
+                                                        **{**TINY_ARGS, **kwargs})
+        return batch_size, record, masked(lines)
+
+    header = ("auto_batch_size: candidates [1, 2, 4, 8, 16, 32, 64] | budget 0.00 GiB (--device_memory_gb) | "
+              "limit 0.85 x budget = 0.00 GiB | measurement: fake tensors + MemTracker (no memory allocated)")
+    probes = [f"auto_batch_size: probe device_batch_size={b} (search) | fits | peak {peaks[b] / GiB:.3f} GiB = "
+              f"{pct} of budget | Ts" for b, pct in ((8, f"{100 * peaks[8] / peaks[64] * 0.8:.1f}%"),
+                                                     (32, f"{100 * peaks[32] / peaks[64] * 0.8:.1f}%"),
+                                                     (64, "80.0%"))]
+    b1, r1, lines1 = run()
+    assert lines1 == [header, *probes,
+                      "Auto-discovery found device_batch_size=64 | grad_accum_steps=1 | probes=3 | Ts | cache miss"]
+    assert b1 == 64 and all(type(p["seconds"]) is float for p in r1["probes"])
+    path = str(tmp_path / "auto_batch_cache" / os.path.basename(r1["cache_path"]))
+    assert r1["cache_path"] == path and os.path.exists(path)
+
+    b2, r2, lines2 = run()
+    assert lines2 == [header, "auto_batch_size: cache hit device_batch_size=64, verified by the code fingerprint and "
+                              "its probes",
+                      "Auto-discovery found device_batch_size=64 | grad_accum_steps=1 | probes=0 | Ts | cache hit"]
+    assert (b2, r2["cache_hit"], r2["probes"], r2["cache_path"]) == (64, True, [], path)
+
+    written = os.stat(path).st_mtime_ns
+    b3, r3, lines3 = run(use_cache=False)
+    assert lines3 == [header, *probes,
+                      "Auto-discovery found device_batch_size=64 | grad_accum_steps=1 | probes=3 | Ts | cache miss"]
+    assert (b3, r3["cache_hit"], r3["cache_path"]) == (64, False, None)
+    assert os.stat(path).st_mtime_ns == written
+
+
 # ----------------------------------------------------------------------------- cache
 
 KEY_ARGS = dict(key_fields={"model_config": {"n_layer": 4, "model_dim": 256}, "activation_checkpointing": False},
@@ -795,6 +918,30 @@ def test_stale_real_cache_entry_is_verified_dropped_and_searched_again(monkeypat
     b3, r3 = discover_device_batch_size(lambda device: (model, optimizers), **REAL_TINY_ARGS)
     assert (b3, r3["cache_hit"], r3["probes"][0]["phase"], r3["probes"][0]["result"]) == (2, False, "cache check", "OOM")
     assert json.load(open(r3["cache_path"]))["device_batch_size"] == 2
+
+
+@pytest.mark.unit
+def test_stale_real_entry_is_dropped_even_when_nothing_fits_any_more(monkeypatch, tmp_path):
+    """A cached size whose check probe now runs out of memory is logged, its file removed, and the search that follows
+    finds nothing: the stale file must be gone (no later run may trust it) and the UserError raised. Eager probes
+    only: with compile=False, torch.compile is never called (a compiled probe measures another step than training
+    runs). Catches: the entry dropped on the wrong rank or by the wrong key, the warning logged as None, search
+    probes compiled by default."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("torch.compile called during an eager discovery")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    model, optimizers = passed_tiny()
+    b1, r1 = discover_device_batch_size(lambda device: (model, optimizers), **REAL_TINY_ARGS)
+    assert b1 == 4 and os.path.exists(r1["cache_path"])
+    model.capacity_rows = 0  # now not even one row fits
+    lines = []
+    with pytest.raises(UserError, match=r"^no device_batch_size fits in memory: the smallest candidate, 1, "):
+        discover_device_batch_size(lambda device: (model, optimizers), **{**REAL_TINY_ARGS, "log": lines.append})
+    assert "auto_batch_size: the cached device_batch_size=4 no longer fits; dropping the entry" in lines
+    assert not os.path.exists(r1["cache_path"])
 
 
 @pytest.mark.unit
