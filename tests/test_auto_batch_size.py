@@ -292,10 +292,12 @@ def test_non_oom_errors_propagate_from_the_search():
 
 @pytest.mark.unit
 def test_search_rejects_bad_candidates():
-    with pytest.raises(ValueError):
-        search_batch_size(lambda b: True, [4, 2])
-    with pytest.raises(ValueError):
-        search_batch_size(lambda b: True, [])
+    """Descending, empty, repeated (a size twice would be probed twice) and non-positive candidates: the whole
+    message. Catches a check that lets equal neighbours through and a message without the list."""
+    for cands in ([4, 2], [], [1, 2, 2, 4], [0, 1]):
+        with pytest.raises(ValueError) as info:
+            search_batch_size(lambda b: True, cands)
+        assert str(info.value) == f"candidates must be ascending distinct positive ints, got {cands}"
 
 
 # ----------------------------------------------------------------------------- OOM classification
@@ -759,6 +761,25 @@ def test_code_fingerprint_follows_the_model_source(tmp_path, monkeypatch):
     mod.write_text("def build(device):\n    return None  # edited\n")
     assert ab.code_fingerprint(build) != before
     assert gpt_builder(TINY_GPT).key_fields["gpt_config"]["n_layer"] == 1
+
+
+@pytest.mark.unit
+def test_code_fingerprint_covers_the_whole_top_level_package_of_a_nested_builder(tmp_path, monkeypatch):
+    """A builder defined in pkg/sub/builder.py: an edit anywhere in its top-level package `pkg` (here pkg/layers.py,
+    which the builder could import) changes the fingerprint. Catches taking the builder's own subpackage (`pkg.sub`)
+    for its top-level package, which leaves pkg/layers.py out."""
+    import importlib
+    (tmp_path / "ab_fp_nested" / "sub").mkdir(parents=True)
+    (tmp_path / "ab_fp_nested" / "__init__.py").write_text("")
+    (tmp_path / "ab_fp_nested" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "ab_fp_nested" / "sub" / "builder.py").write_text("def build(device):\n    return None\n")
+    layers = tmp_path / "ab_fp_nested" / "layers.py"
+    layers.write_text("WIDTH = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    build = importlib.import_module("ab_fp_nested.sub.builder").build
+    before = ab.code_fingerprint(build)
+    layers.write_text("WIDTH = 2\n")
+    assert ab.code_fingerprint(build) != before
 
 
 @pytest.mark.unit
