@@ -63,8 +63,10 @@ def test_torchrun_ranks_agree(base_dir):
     assert "parameters identical on all 2 ranks" in r.stdout
 
 
+@pytest.mark.slow
 def test_mid_train_and_chat_sft_accept_the_flags(base_dir):
-    """mid_train discovers device_batch_size and chat_sft discovers max_tokens_per_device (rows of max_seq_len)."""
+    """mid_train discovers device_batch_size and chat_sft discovers max_tokens_per_device (rows of max_seq_len).
+    Slow tier: ~16 s of three script runs; the discovery itself is base_train's, which the default run covers."""
     r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=2", "--run_name=src", base_dir=base_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     m = run_script("mid_train.py", "--base_run_name=src", "--run_name=src",
