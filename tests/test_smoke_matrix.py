@@ -221,7 +221,6 @@ def load_weights(run_dir, step):
     return torch.load(os.path.join(run_dir, "checkpoints", f"step_{step:06d}", "model.pt"), weights_only=True)
 
 
-@pytest.mark.timeout(300)
 def cell(nproc, accum, resumed):
     """One (nproc, accum, resumed) cell of the matrix: 2 ranks are `dist`. Two resumed cells are `slow`, 1 rank with
     accumulation 2 and 2 ranks with accumulation 1: the default run keeps a resume on 1 rank (accumulation 1) and on 2
@@ -233,6 +232,7 @@ def cell(nproc, accum, resumed):
                         id=f"{nproc}rank{'s' if nproc > 1 else ''}-accum{accum}-{'resumed' if resumed else 'fresh'}")
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("nproc,accum,resumed", [cell(n, a, r) for n in (1, 2) for a in (1, 2) for r in (False, True)])
 @pytest.mark.parametrize("script", list(STAGE))
 def test_cell(matrix, monkeypatch, script, nproc, accum, resumed):
