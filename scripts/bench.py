@@ -5,6 +5,7 @@ the token loader's and the tokenizer's throughput on the same data. Prints ONE J
     python scripts/bench.py --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096
     python scripts/bench.py --depth=8 --max_seq_len=512 --device_batch_size=4 --total_batch_size=8192
     python scripts/bench.py --depth=4 --vs="--compile=True"          # A B B A A B ... interleaved; ratio per pair
+    python scripts/bench.py --depth=4 --vs="--value_embeds=False"    # a model or optimizer option off and on
     python scripts/bench.py --depth=4 --profile=True                 # where the step's time goes (torch.profiler)
 
 The model and optimizers are built as in scripts/base_train.py (meta device, to_empty, init_weights,
@@ -82,9 +83,26 @@ vs = ""  # a second configuration as --name=value overrides of this one, timed i
 pairs = 6  # --vs: interleaved rounds
 pair_steps = 2  # --vs: timed steps per configuration per round
 profile = False  # time the steps under torch.profiler: the top ops go to stderr and a "profile" breakdown to the JSON
-config = configure(globals())
+# the model and optimizer as base_train trains them (same names and defaults; a test keeps them equal), so that
+# e.g. --vs="--value_embeds=False" times a technique on and off
+value_embeds = True  # value embeddings: token-indexed tables added to V through a per-head gate, every other block
+smear = True  # add a gated share of the previous token's embedding to each token's
+backout = False  # subtract a learned share of the middle block's output before the head
+x0_lambdas = False  # learned per-block scalars mixing the embedding back in: x <- a_i * x + b_i * x0
+rotary_base = 10000.0  # base of the rotary position frequencies
+qk_scale = 1.0  # scale of the attention logits on top of 1/sqrt(head_dim)
+weight_decay = 0.01  # AdamW weight decay (embeddings, lm_head; decays with the lr)
+embedding_beta2 = 0.995  # AdamW beta2 of the token and value embeddings
+unembedding_beta2 = 0.96  # AdamW beta2 of the lm_head
+muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
+polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
+muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
+config = configure(globals(), none_types={"muon_weight_decay": (float,)})
 # -----------------------------------------------------------------------------
 
+
+
+MODEL_OPTIONS = ("value_embeds", "smear", "backout", "x0_lambdas", "rotary_base", "qk_scale")  # GPTConfig's
 
 
 def percentile(xs, q):
@@ -149,16 +167,21 @@ class Setup:
     def __init__(self, cfg, tokenizer, train_files, device):
         self.cfg, self.device = cfg, device
         self.compute_dtype, self.autocast_ctx = precision(cfg["dtype"], device)
-        self.model_config = config_from_depth(cfg["depth"], tokenizer.get_vocab_size(), cfg["max_seq_len"])
+        self.model_config = config_from_depth(cfg["depth"], tokenizer.get_vocab_size(), cfg["max_seq_len"],
+                                              **{k: cfg[k] for k in MODEL_OPTIONS})
         self.grad_accum_steps = cfg["total_batch_size"] // (cfg["device_batch_size"] * cfg["max_seq_len"])
         self.default_threads = torch.get_num_threads()
         self.activate()
         seed_everything(cfg["seed"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
             model = build_model(self.model_config, device)
-            self.optimizers = model.setup_optimizers(  # base_train's default weight decays and betas: timed as trained
-                ns_dtype=cfg["ns_dtype"], muon_weight_decay=muon_weight_decay_for(self.model_config.model_dim),
-                weight_decay=0.01, embedding_beta2=0.995, unembedding_beta2=0.96)
+            muon_wd = cfg["muon_weight_decay"]
+            if muon_wd is None:
+                muon_wd = muon_weight_decay_for(self.model_config.model_dim)
+            self.optimizers = model.setup_optimizers(  # lrs: setup_optimizers' defaults (they change no work)
+                ns_dtype=cfg["ns_dtype"], muon_weight_decay=muon_wd, weight_decay=cfg["weight_decay"],
+                embedding_beta2=cfg["embedding_beta2"], unembedding_beta2=cfg["unembedding_beta2"],
+                polar_express=cfg["polar_express"], muon_beta2=cfg["muon_beta2"])
         if cfg["adamw"]:
             self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
         model.activation_checkpointing = cfg["activation_checkpointing"]

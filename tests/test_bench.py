@@ -1,6 +1,9 @@
 """scripts/bench.py through the command line: the JSON it prints (keys, types, positive numbers) and its errors."""
 
+import ast
+import contextlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ from conftest import run_script
 
 from nanotrain.muon import ns_dtype_for
 
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TINY = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512", "--loader_seconds=0.2",
         "--tokenizer_chars=100000"]
 
@@ -28,14 +32,16 @@ POSITIVE = ["tokens_per_sec", "flops_per_token", "achieved_flops", "peak_flops",
 #   gate 12 x 1, the smear gate 12, lm_head 512 x 128 = 65,536: 458,776, x 6 = 2,752,656; attention 12 x 2 x 1 x 128 x
 #   64 = 196,608: 2,949,264. Parameters: wte, lm_head and block 1's value embedding 3 x 65,536 = 196,608, blocks
 #   393,216, gate 12, smear gate 12 and smear_lambda 1: 589,849.
-# depth 1, T 64: model_dim 64, 1 head of 64; 12 x 64^2 = 49,152 + gate 12 + smear gate 12 + lm_head 512 x 64 = 32,768:
-#   81,944, x 6 = 491,664; attention 12 x 1 x 1 x 64 x 64 = 49,152: 540,816.
 # depth 4, T 256: model_dim 256, 2 heads of 128; 4 x 12 x 256^2 = 3,145,728 + gates of blocks 1 and 3 2 x 12 x 2 + smear
 #   gate 12 + lm_head 512 x 256 = 131,072: 3,276,860, x 6 = 19,661,160; attention 12 x 4 x 2 x 128 x 256 = 3,145,728:
 #   22,806,888. Parameters: 2 x 131,072 + value embeddings of blocks 1 and 3 2 x 512 x 256 + 3,145,728 + 48 + 13 =
 #   3,670,077.
-FLOPS_PER_TOKEN = {2: 2_949_264, 1: 540_816, 4: 22_806_888}
+FLOPS_PER_TOKEN = {2: 2_949_264, 4: 22_806_888}
 NUM_PARAMS = {2: 589_849, 4: 3_670_077}
+# depth 1, T 64, without value embeddings and smear (--value_embeds=False --smear=False): model_dim 64, 1 head of 64;
+#   12 x 64^2 = 49,152 + lm_head 512 x 64 = 32,768: 81,920, x 6 = 491,520; attention 12 x 1 x 1 x 64 x 64 = 49,152:
+#   540,672. Parameters: wte and lm_head 2 x 32,768, the block 49,152: 114,688.
+FLOPS_PER_TOKEN_PLAIN_D1, NUM_PARAMS_PLAIN_D1 = 540_672, 114_688
 
 
 def check_result(r, steps, depth, tokens):
@@ -98,10 +104,11 @@ def test_bench_prints_one_json_object(base_dir):
 @pytest.mark.smoke
 def test_bench_vs_interleaves_two_configs(base_dir):
     """--vs: both configurations' results, one ratio per round, their median; B differs from A only as asked (its
-    FLOPs per token are the hand count of depth 1, A's that of depth 2: fails on B built with A's model, or on FLOPs
+    FLOPs per token and parameters are the hand count of depth 1 without value embeddings and smear, A's those of
+    depth 2 with both: fails on B built with A's model, on model options not passed to the model, or on FLOPs
     counted from all parameters)."""
     r = run_script("bench.py", *TINY, "--warmup_steps=1", "--pairs=2", "--pair_steps=1", "--memory_estimate=False",
-                   "--vs=--depth=1 --prefetch=1", base_dir=base_dir)
+                   "--vs=--depth=1 --prefetch=1 --value_embeds=False --smear=False", base_dir=base_dir)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for side in ("a", "b"):
@@ -112,10 +119,38 @@ def test_bench_vs_interleaves_two_configs(base_dir):
         assert out[side]["peak_memory_bytes"] is None  # --memory_estimate=False
     assert out["a"]["config"]["depth"] == 2 and out["b"]["config"]["depth"] == 1
     assert out["a"]["config"]["prefetch"] == 0 and out["b"]["config"]["prefetch"] == 1  # CPU default: off
-    assert (out["a"]["flops_per_token"], out["b"]["flops_per_token"]) == (FLOPS_PER_TOKEN[2], FLOPS_PER_TOKEN[1])
+    assert (out["a"]["flops_per_token"], out["b"]["flops_per_token"]) == (FLOPS_PER_TOKEN[2], FLOPS_PER_TOKEN_PLAIN_D1)
+    assert (out["a"]["model"]["num_params"], out["b"]["model"]["num_params"]) == (NUM_PARAMS[2], NUM_PARAMS_PLAIN_D1)
     vs = out["vs"]
     assert len(vs["ratios"]) == 2 and all(x > 0 for x in vs["ratios"])
     assert vs["median_ratio"] == pytest.approx(sorted(vs["ratios"])[0] / 2 + sorted(vs["ratios"])[1] / 2)
+
+
+def script_defaults(name):
+    """The module-level `name = <literal>` settings of scripts/<name>, read with ast (nothing is run)."""
+    out = {}
+    for node in ast.parse((SCRIPTS / name).read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            with contextlib.suppress(ValueError):
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+    return out
+
+
+def test_bench_times_the_model_and_optimizers_base_train_trains():
+    """
+    Every setting bench.py shares with base_train has base_train's default, except the benchmark's own smaller
+    config (depth, max_seq_len, batch sizes) and compile (None in base_train means on for CUDA only; bench's False is
+    that on CPU). Fails on a default changed in base_train (say its AdamW weight decay, or value embeddings turned
+    off) but left behind in bench.py, which would then time a step base_train no longer runs, and on a model or
+    optimizer option missing from bench.py (it could not be timed on and off with --vs).
+    """
+    bench, base = script_defaults("bench.py"), script_defaults("base_train.py")
+    options = {"value_embeds", "smear", "backout", "x0_lambdas", "rotary_base", "qk_scale", "weight_decay",
+               "embedding_beta2", "unembedding_beta2", "muon_weight_decay", "polar_express", "muon_beta2", "ns_dtype",
+               "dtype", "row_packing", "activation_checkpointing"}
+    assert options <= set(bench) & set(base)
+    own = {"depth", "max_seq_len", "device_batch_size", "total_batch_size", "compile"}
+    assert {k: bench[k] for k in set(bench) & set(base) - own} == {k: base[k] for k in set(bench) & set(base) - own}
 
 
 @pytest.mark.smoke
