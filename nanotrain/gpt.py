@@ -6,7 +6,7 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - logit soft-cap 15 * tanh(logits / 15) in fp32 (Gemma 2 / modded-nanogpt), optional GQA (Ainslie et al. 2023)
 - zero-initialised output projections; Muon for block matrices, AdamW for the embeddings, lm_head and scalars.
 - options (GPTConfig; on by default where they won on our configs, README "Ablations"): value embeddings on every
-  other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear (default on), backout, x0 /
+  other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear (default off), backout, x0 /
   resid lambdas, rotary_base and qk_scale.
 - packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
   (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
@@ -52,7 +52,7 @@ class GPTConfig:
     model_dim: int = 768
     # architecture options; the defaults are the measured winners (README, "Ablations": each one on and off)
     value_embeds: bool = True  # token-indexed tables added to V through a per-head gate, on alternating layers
-    smear: bool = True  # a gated share of the previous token's embedding added to each token's
+    smear: bool = False  # a gated share of the previous token's embedding added to each token's
     backout: bool = False  # subtract a learned share of the middle layer's output before the head
     x0_lambdas: bool = False  # before every block x <- resid_lambda * x + x0_lambda * x0 (x0: the embedding)
     rotary_base: float = 10000.0  # base of the rotary frequencies

@@ -23,7 +23,7 @@ declare -A ROW=(  # row name -> the flags that change its technique from the def
     [matrix_lr]="--matrix_lr=0.02"
     [schedule]="--warmdown_ratio=0.2 --final_lr_frac=0.0"
     [normuon]="--muon_beta2=0.9"
-    [smear]="--smear=False"
+    [smear]="--smear=True"
     [backout]="--backout=True"
     [x0_lambdas]="--x0_lambdas=True"
     [attention_constants]="--rotary_base=100000 --qk_scale=1.44"

@@ -69,7 +69,7 @@ seed = 42  # seed of the weight initialisation
 depth = 20  # n_layer; model_dim = depth * 64, head dim 128 (fewer heads for small models)
 max_seq_len = 2048  # tokens per row (context length)
 value_embeds = True  # value embeddings: token-indexed tables added to V through a per-head gate, every other block
-smear = True  # add a gated share of the previous token's embedding to each token's
+smear = False  # add a gated share of the previous token's embedding to each token's
 backout = False  # subtract a learned share of the middle block's output before the head
 x0_lambdas = False  # learned per-block scalars mixing the embedding back in: x <- a_i * x + b_i * x0
 rotary_base = 10000.0  # base of the rotary position frequencies

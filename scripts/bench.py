@@ -86,7 +86,7 @@ profile = False  # time the steps under torch.profiler: the top ops go to stderr
 # the model and optimizer as base_train trains them (same names and defaults; a test keeps them equal), so that
 # e.g. --vs="--value_embeds=False" times a technique on and off
 value_embeds = True  # value embeddings: token-indexed tables added to V through a per-head gate, every other block
-smear = True  # add a gated share of the previous token's embedding to each token's
+smear = False  # add a gated share of the previous token's embedding to each token's
 backout = False  # subtract a learned share of the middle block's output before the head
 x0_lambdas = False  # learned per-block scalars mixing the embedding back in: x <- a_i * x + b_i * x0
 rotary_base = 10000.0  # base of the rotary position frequencies

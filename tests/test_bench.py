@@ -26,22 +26,22 @@ POSITIVE = ["tokens_per_sec", "flops_per_token", "achieved_flops", "peak_flops",
             "loader_tokens_per_sec", "loader_vs_trainer", "threads", "grad_accum_steps"]
 
 
-# FLOPs per token and parameters of the default model (value embeddings and smear on) at the tokenizer's vocab of 512
+# FLOPs per token and parameters of the default model (value embeddings on, smear off) at the tokenizer's vocab of 512
 # (conftest.TINY_VOCAB), counted by hand (PaLM appendix B: 6 x matmul weights + 12 x layers x heads x head_dim x T):
 # depth 2, T 64: model_dim 128, 1 head of 128; matmul weights: blocks 2 x 12 x 128^2 = 393,216, block 1's value-embedding
-#   gate 12 x 1, the smear gate 12, lm_head 512 x 128 = 65,536: 458,776, x 6 = 2,752,656; attention 12 x 2 x 1 x 128 x
-#   64 = 196,608: 2,949,264. Parameters: wte, lm_head and block 1's value embedding 3 x 65,536 = 196,608, blocks
-#   393,216, gate 12, smear gate 12 and smear_lambda 1: 589,849.
-# depth 4, T 256: model_dim 256, 2 heads of 128; 4 x 12 x 256^2 = 3,145,728 + gates of blocks 1 and 3 2 x 12 x 2 + smear
-#   gate 12 + lm_head 512 x 256 = 131,072: 3,276,860, x 6 = 19,661,160; attention 12 x 4 x 2 x 128 x 256 = 3,145,728:
-#   22,806,888. Parameters: 2 x 131,072 + value embeddings of blocks 1 and 3 2 x 512 x 256 + 3,145,728 + 48 + 13 =
-#   3,670,077.
-FLOPS_PER_TOKEN = {2: 2_949_264, 4: 22_806_888}
-NUM_PARAMS = {2: 589_849, 4: 3_670_077}
-# depth 1, T 64, without value embeddings and smear (--value_embeds=False --smear=False): model_dim 64, 1 head of 64;
-#   12 x 64^2 = 49,152 + lm_head 512 x 64 = 32,768: 81,920, x 6 = 491,520; attention 12 x 1 x 1 x 64 x 64 = 49,152:
-#   540,672. Parameters: wte and lm_head 2 x 32,768, the block 49,152: 114,688.
-FLOPS_PER_TOKEN_PLAIN_D1, NUM_PARAMS_PLAIN_D1 = 540_672, 114_688
+#   gate 12 x 1, lm_head 512 x 128 = 65,536: 458,764, x 6 = 2,752,584; attention 12 x 2 x 1 x 128 x 64 = 196,608:
+#   2,949,192. Parameters: wte, lm_head and block 1's value embedding 3 x 65,536 = 196,608, blocks 393,216, gate 12:
+#   589,836.
+# depth 4, T 256: model_dim 256, 2 heads of 128; 4 x 12 x 256^2 = 3,145,728 + gates of blocks 1 and 3 2 x 12 x 2 +
+#   lm_head 512 x 256 = 131,072: 3,276,848, x 6 = 19,661,088; attention 12 x 4 x 2 x 128 x 256 = 3,145,728: 22,806,816.
+#   Parameters: 2 x 131,072 + value embeddings of blocks 1 and 3 2 x 512 x 256 + 3,145,728 + 48 = 3,670,064.
+FLOPS_PER_TOKEN = {2: 2_949_192, 4: 22_806_816}
+NUM_PARAMS = {2: 589_836, 4: 3_670_064}
+# depth 1, T 64, without value embeddings and with smear (--value_embeds=False --smear=True): model_dim 64, 1 head of
+#   64; 12 x 64^2 = 49,152 + the smear gate 12 + lm_head 512 x 64 = 32,768: 81,932, x 6 = 491,592; attention 12 x 1 x
+#   1 x 64 x 64 = 49,152: 540,744. Parameters: wte and lm_head 2 x 32,768, the block 49,152, the smear gate 12 and
+#   smear_lambda 1: 114,701.
+FLOPS_PER_TOKEN_D1_SMEAR, NUM_PARAMS_D1_SMEAR = 540_744, 114_701
 
 
 def check_result(r, steps, depth, tokens):
@@ -104,11 +104,11 @@ def test_bench_prints_one_json_object(base_dir):
 @pytest.mark.smoke
 def test_bench_vs_interleaves_two_configs(base_dir):
     """--vs: both configurations' results, one ratio per round, their median; B differs from A only as asked (its
-    FLOPs per token and parameters are the hand count of depth 1 without value embeddings and smear, A's those of
-    depth 2 with both: fails on B built with A's model, on model options not passed to the model, or on FLOPs
-    counted from all parameters)."""
+    FLOPs per token and parameters are the hand count of depth 1 without value embeddings and with smear, A's those
+    of depth 2 with the defaults (value embeddings, no smear): fails on B built with A's model, on either model
+    option not passed to the model, or on FLOPs counted from all parameters)."""
     r = run_script("bench.py", *TINY, "--warmup_steps=1", "--pairs=2", "--pair_steps=1", "--memory_estimate=False",
-                   "--vs=--depth=1 --prefetch=1 --value_embeds=False --smear=False", base_dir=base_dir)
+                   "--vs=--depth=1 --prefetch=1 --value_embeds=False --smear=True", base_dir=base_dir)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     for side in ("a", "b"):
@@ -119,8 +119,8 @@ def test_bench_vs_interleaves_two_configs(base_dir):
         assert out[side]["peak_memory_bytes"] is None  # --memory_estimate=False
     assert out["a"]["config"]["depth"] == 2 and out["b"]["config"]["depth"] == 1
     assert out["a"]["config"]["prefetch"] == 0 and out["b"]["config"]["prefetch"] == 1  # CPU default: off
-    assert (out["a"]["flops_per_token"], out["b"]["flops_per_token"]) == (FLOPS_PER_TOKEN[2], FLOPS_PER_TOKEN_PLAIN_D1)
-    assert (out["a"]["model"]["num_params"], out["b"]["model"]["num_params"]) == (NUM_PARAMS[2], NUM_PARAMS_PLAIN_D1)
+    assert (out["a"]["flops_per_token"], out["b"]["flops_per_token"]) == (FLOPS_PER_TOKEN[2], FLOPS_PER_TOKEN_D1_SMEAR)
+    assert (out["a"]["model"]["num_params"], out["b"]["model"]["num_params"]) == (NUM_PARAMS[2], NUM_PARAMS_D1_SMEAR)
     vs = out["vs"]
     assert len(vs["ratios"]) == 2 and all(x > 0 for x in vs["ratios"])
     assert vs["median_ratio"] == pytest.approx(sorted(vs["ratios"])[0] / 2 + sorted(vs["ratios"])[1] / 2)

@@ -78,8 +78,8 @@ def test_param_count_depth20_with_the_options():
     """
     with torch.device("meta"):
         model = GPT(config_from_depth(20, 65536, 2048, smear=True, backout=True, x0_lambdas=True))
-        default = GPT(config_from_depth(20, 65536, 2048))  # value embeddings and smear
-    assert default.num_params() == 560_988_160 + 10 * 65536 * 1280 + 10 * 12 * 10 + 12 + 1
+        default = GPT(config_from_depth(20, 65536, 2048))  # value embeddings only
+    assert default.num_params() == 560_988_160 + 10 * 65536 * 1280 + 10 * 12 * 10
     assert sorted(int(k) for k in model.value_embeds) == list(range(1, 20, 2))
     assert model.num_params() == 560_988_160 + 10 * 65536 * 1280 + 10 * 12 * 10 + 2 * 20 + 12 + 1 + 1
     with torch.device("meta"):
@@ -137,19 +137,19 @@ def test_ignore_index():
 
 def test_num_params_and_flops():
     """
-    TINY (default options: value embeddings and smear) counted by hand: wte, lm_head and block 1's value embedding
-    256 x 64 each; two blocks of 12 x 64^2; block 1's value-embedding gate 12 x 2; the smear gate 12 and smear_lambda
-    1. FLOPs: 6 x the matmul weights (blocks, gates, lm_head) + attention 12 x 2 layers x 2 heads x 32 head_dim x 32
-    positions. With backout and the lambdas on: + 1 + 2 + 2 parameters, no FLOPs. Catches a num_params that skips
-    modules, or a FLOPs formula that keeps an embedding table or drops attention.
+    TINY (default options: value embeddings) counted by hand: wte, lm_head and block 1's value embedding 256 x 64
+    each; two blocks of 12 x 64^2; block 1's value-embedding gate 12 x 2. FLOPs: 6 x the matmul weights (blocks, gate,
+    lm_head) + attention 12 x 2 layers x 2 heads x 32 head_dim x 32 positions. With smear, backout and the lambdas on:
+    + 12 (the smear gate) + 1 (smear_lambda) + 1 + 2 + 2 parameters, and the smear gate's matmul 6 x 12 FLOPs. Catches
+    a num_params that skips modules, or a FLOPs formula that keeps an embedding table or drops attention.
     """
     model = make_model(randomize=False)
-    assert model.num_params() == 3 * 256 * 64 + 2 * 12 * 64**2 + 24 + 12 + 1 == 147_493
-    matmul = 2 * 12 * 64**2 + 24 + 256 * 64 + 12
-    assert model.estimate_flops() == 6 * matmul + 12 * 2 * 2 * 32 * 32 == 737_496
-    every = make_model(randomize=False, backout=True, x0_lambdas=True)
-    assert every.num_params() == 147_493 + 5
-    assert every.estimate_flops() == 737_496
+    assert model.num_params() == 3 * 256 * 64 + 2 * 12 * 64**2 + 24 == 147_480
+    matmul = 2 * 12 * 64**2 + 24 + 256 * 64
+    assert model.estimate_flops() == 6 * matmul + 12 * 2 * 2 * 32 * 32 == 737_424
+    every = make_model(randomize=False, smear=True, backout=True, x0_lambdas=True)
+    assert every.num_params() == 147_480 + 12 + 1 + 5
+    assert every.estimate_flops() == 737_424 + 6 * 12
 
 
 def test_meta_init_deterministic_and_zero_proj():
