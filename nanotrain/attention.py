@@ -1,5 +1,5 @@
 """
-Attention and its parts for nanotrain.gpt: parameter-free RMSNorm, rotary embeddings (Su et al. 2021, "RoFormer"),
+Attention and its parts for nanotrain.gpt: rotary embeddings (Su et al. 2021, "RoFormer"),
 the layout of packed rows (segment_info), the KV cache used in generation, and attention() over the available
 backends (flash-attn 2 when installed on CUDA, else PyTorch SDPA).
 """
@@ -13,39 +13,6 @@ try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenev
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
     flash_attn_func = flash_attn_varlen_func = None
-
-def norm(x):
-    """
-    Parameter-free RMSNorm over the last dimension (any shape, dtype preserved), computed in fp32 as F.rms_norm
-    does. For a bf16/fp16 x that needs a gradient, the backward keeps x itself and the fp32 1/rms (_RMSNorm), where
-    F.rms_norm's backward keeps an fp32 copy of x (twice the bytes; on CUDA autocast upcasts its input likewise).
-    """
-    if x.dtype == torch.float32 or not (torch.is_grad_enabled() and x.requires_grad):
-        return F.rms_norm(x, (x.size(-1),))
-    return _RMSNorm.apply(x)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """
-    y = x / sqrt(mean(x^2) + eps) in fp32, returned in x's dtype, eps = fp32 machine epsilon (F.rms_norm's default
-    for a bf16/fp16 input, computed in fp32): the same values as F.rms_norm. Saves x (its own dtype) and 1/rms
-    (fp32, one per row), the memory-efficient layout of Apex's FusedRMSNorm and Liger's RMSNorm; backward:
-    dx = r * (g - y * mean(g * y)) with r = 1/rms, y = x * r, all in fp32.
-    """
-
-    @staticmethod
-    def forward(ctx, x):
-        xf = x.float()
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
-        ctx.save_for_backward(x, r)
-        return (xf * r).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, r = ctx.saved_tensors
-        y, g = x.float() * r, grad.float()
-        return (r * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
-
 
 def compute_dtype(x):
     """The dtype a matmul on x runs in: autocast's for x's device type when autocast is on there, else x's own."""

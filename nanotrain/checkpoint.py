@@ -20,20 +20,16 @@ directory named step_XXXXXX/ with a meta.json is always complete. Everything is 
 torch.load(weights_only=True): no arbitrary pickle is ever executed. A checkpoint that cannot be used (a torn or
 foreign file, a meta.json without the keys its reader needs, weights that do not fit its model_config) raises
 CheckpointError, one line naming the file; readers skip it for an older one (load_latest, resume_checkpoint,
-nanotrain.engine.load_model without --step).
+load_model without --step).
 """
 
 import dataclasses
 import errno
 import json
 import os
-import pickletools
 import shutil
-import socket
 import sys
-import time
 import warnings
-import zipfile
 
 import torch
 
@@ -41,7 +37,6 @@ import nanotrain
 from nanotrain.common import (
     UserError,
     all_reduce_scalar,
-    any_rank,
     atomic_write_json,
     barrier,
     get_base_dir,
@@ -49,54 +44,11 @@ from nanotrain.common import (
     print0,
 )
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
-from nanotrain.gpt import GPT, GPTConfig
-
-try:  # POSIX (Linux, macOS); elsewhere runs are not locked
-    import fcntl
-except ImportError:
-    fcntl = None
+from nanotrain.gpt import GPT, GPTConfig, build_model
+from nanotrain.tensor_file import CheckpointError, load_tensor_file  # noqa: F401 (CheckpointError: interface)
+from nanotrain.tokenizer import get_tokenizer
 
 CHECKPOINT_FORMAT = 2  # 2: the model gained value embeddings, smear, backout and x0/resid lambdas
-LOCK_FILE = ".lock"
-_held_locks = {}  # real path of a run directory -> the open lock file this process holds until it exits
-
-
-def get_run_dir(stage, run):
-    """<base_dir>/<stage>/<run>, created if missing. stage is "base", "mid" or "sft"."""
-    path = os.path.join(get_base_dir(), stage, run)
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def lock_run_dir(run_dir, device, rank=0):
-    """
-    Makes this process the only writer of `run_dir` until it exits: rank 0 takes an exclusive fcntl.flock on
-    <run_dir>/.lock and writes its pid, host, start time and command line into it. The kernel releases the lock
-    however the process ends (SIGKILL included), so a finished or killed run never blocks the next one. Collective
-    under DDP (every rank calls it; `device` carries the agreement). Taking it again in the same process is a no-op.
-    Raises UserError naming the holder (pid, host, start, command) when another process holds the lock.
-    """
-    key = os.path.realpath(run_dir)
-    taken, holder = True, ""
-    if rank == 0 and fcntl is not None and key not in _held_locks:
-        f = open(os.path.join(run_dir, LOCK_FILE), "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            taken = False
-        else:
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                    f"{' '.join(sys.argv)}\n")
-            f.flush()
-            _held_locks[key] = f
-    if any_rank(not taken, device):
-        raise UserError(f"the run directory {run_dir} is in use by {holder or 'another process'}; wait for it to "
-                        f"end or choose another --run_name")
 
 
 def _free_bytes(path):
@@ -264,110 +216,10 @@ def list_checkpoints(run_dir):
     return [p for _, p in sorted(out)]
 
 
-class CheckpointError(UserError):
-    """
-    A checkpoint file that cannot be used: missing, empty, truncated, not a torch.save file, a pickle of arbitrary
-    Python objects, a meta.json without the keys its reader needs, or weights that do not fit the model_config.
-    `file`: the file's path; `problem`: what is wrong with it. str() is the one line "<file> <problem>".
-    """
-
-    def __init__(self, file, problem):
-        problem = " ".join(problem.splitlines())  # one line, whatever a library's message held
-        super().__init__(f"{file} {problem}")
-        self.file, self.problem = file, problem
-
-
 # what the readers of a checkpoint take from its meta.json besides "step" and "world_size" (which save_checkpoint
-# always writes): every training stage on resume, and inference (nanotrain.engine.load_model)
+# always writes): every training stage on resume, and inference (load_model)
 RESUME_META_KEYS = ("config", "model_config", "tokens_seen", "train_time")
 INFERENCE_META_KEYS = ("model_config",)
-
-_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
-
-
-def _imported_names(data):
-    """
-    "module.name" of every object the pickle `data` (bytes or a binary file) would import (GLOBAL, INST, STACK_GLOBAL), read with
-    pickletools, which parses the opcodes and runs nothing. Raises an Exception (ValueError mostly) if `data` is not
-    one complete pickle.
-    """
-    names, strings, memo, top = [], [], {}, None
-    for op, arg, _ in pickletools.genops(data):
-        if op.name in ("GLOBAL", "INST"):
-            names.append(arg.replace(" ", "."))
-        elif op.name == "STACK_GLOBAL":  # module and name are the last two strings pushed (directly or from the memo)
-            names.append(".".join(strings[-2:]) if len(strings) >= 2 else "an unnamed object")
-        if op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
-            memo[len(memo) if arg is None else arg] = top
-            continue
-        if op.name in ("GET", "BINGET", "LONG_BINGET"):
-            top = memo.get(arg)
-        elif op.name in _STRING_OPS:
-            top = arg
-        elif op.stack_after:
-            top = None
-        else:
-            continue
-        if isinstance(top, str):
-            strings.append(top)
-    return names
-
-
-def _foreign_imports(file):
-    """
-    The objects other than torch's (module torch or torch.*, collections.OrderedDict) that the pickle torch.load
-    reads from `file` would import: the data.pkl of a zip archive (torch.save's format), else the file itself.
-    A sorted list of "module.name"; [] when the pickle is damaged or `file` is no pickle at all.
-    """
-    try:
-        if zipfile.is_zipfile(file):
-            with zipfile.ZipFile(file) as z:
-                names = [n for n in z.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-                with z.open(names[0]) as f:
-                    imported = _imported_names(f)
-        else:
-            with open(file, "rb") as f:
-                imported = _imported_names(f)
-    except Exception:  # not one complete pickle (or no data.pkl in the archive): damaged, or not a pickle at all
-        return []
-    return sorted({n for n in imported if n.split(".")[0] != "torch" and n != "collections.OrderedDict"})
-
-
-def _torch_reason(exc):
-    """The first informative line of torch.load's error `exc`, without its advice to load with weights_only=False."""
-    text = str(exc).split("WeightsUnpickler error:", 1)[-1]
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "weights_only" not in ln]
-    first = lines[0].split(". This is an internal miniz error")[0] if lines else ""
-    return f"{type(exc).__name__}: {first[:200]}" if first else type(exc).__name__
-
-
-def load_tensor_file(file, device):
-    """
-    torch.load(file, map_location=device, weights_only=True): the tensors, dicts, lists and plain values of a
-    torch.save file; no arbitrary pickle is ever run. Raises CheckpointError, one line naming the file, if it is
-    missing, unreadable, empty, truncated or otherwise not a torch.save file, or a pickle that would import arbitrary
-    Python objects ("is not a plain tensor file ...; refusing to load it"; told apart from a damaged file with
-    pickletools, which runs nothing) instead of torch's multi-paragraph advice.
-    """
-    if not os.path.isfile(file):
-        raise CheckpointError(file, "is missing")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's notes on the pickle protocol of a file it is about to refuse
-            return torch.load(file, map_location=device, weights_only=True)
-    except torch.cuda.OutOfMemoryError:
-        raise
-    except Exception as exc:
-        if isinstance(exc, PermissionError):  # other OSErrors (EINVAL from a seek) come from a damaged file
-            raise CheckpointError(file, f"cannot be read ({exc.strerror or exc})") from None
-        if os.path.getsize(file) == 0:
-            raise CheckpointError(file, "is empty") from None
-        foreign = _foreign_imports(file)
-        if foreign:
-            raise CheckpointError(file, f"is not a plain tensor file (it holds arbitrary Python objects); refusing to "
-                                        f"load it (it would import {', '.join(foreign[:3])})") from None
-        raise CheckpointError(file, f"is truncated or not a torch.save file ({_torch_reason(exc)})") from None
-
 
 def _check_meta(meta_file, meta, meta_keys):
     """Raises CheckpointError unless `meta` (a loaded meta.json) is an object with the keys a reader needs."""
@@ -518,3 +370,61 @@ def find_run_dir(stage, run=""):
                 if best is None or t > best[0]:
                     best = (t, os.path.join(stage_dir, name))
     return best[1] if best else None
+
+
+def _what(exc, base):
+    """What is wrong with a skipped checkpoint, its file named relative to `base` (nanotrain.checkpoint.skip_reason
+    for an error other than a CheckpointError)."""
+    return f"{os.path.relpath(exc.file, base)} {exc.problem}" if isinstance(exc, CheckpointError) else skip_reason(exc)
+
+
+def load_model(stage, run_name="", step=-1, device="cpu"):
+    """
+    Loads a checkpoint of a training stage for inference, as scripts/sample.py does: the newest run of `stage`
+    ("base", "mid" or "sft") if run_name is "", and its newest checkpoint if step < 0. Returns
+    (model in eval mode (fp32 weights on `device`), tokenizer, checkpoint path, meta dict).
+
+    A checkpoint that cannot be used (nanotrain.checkpoint.CheckpointError: a missing, truncated or garbage file, a
+    pickle of arbitrary objects, a meta.json without "model_config", weights that do not fit it) is handled as
+    training's resume handles it: without a step, the newest readable checkpoint is loaded and one line
+    `warning: ...` on stderr names every newer one skipped, what is wrong with it, and the one loaded (stderr, like
+    the scripts' `checkpoint: ...` line, because stdout of sample.py and chat_cli.py is the generated text); a
+    checkpoint asked for by step that cannot be used is an error, never replaced by another.
+    Raises UserError (one line) if there is no such run or checkpoint, no readable checkpoint (naming the newest
+    one's bad file and what is wrong), an unreadable requested step, or no tokenizer or another one than the
+    model's.
+    """
+    if stage not in ("base", "mid", "sft"):
+        raise UserError(f"--source={stage!r}: expected 'base', 'mid' or 'sft'")
+    run_dir = find_run_dir(stage, run_name)
+    script = {"base": "base_train.py", "mid": "mid_train.py", "sft": "chat_sft.py"}[stage]
+    paths = list_checkpoints(run_dir) if run_dir is not None else []
+    if not paths:
+        where = f" for --run_name={run_name}" if run_name else ""
+        raise UserError(f"no {stage} checkpoint found{where}; train one first (python scripts/{script})")
+    if step >= 0:  # that checkpoint or an error, never another one
+        path = next((p for p in paths if p.endswith(f"step_{step:06d}")), None)
+        if path is None:
+            raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
+        try:
+            ckpt = load_checkpoint(path, device, load_optimizer=False, meta_keys=INFERENCE_META_KEYS)
+        except CheckpointError as e:
+            raise UserError(f"cannot read the checkpoint {path}: {_what(e, path)}") from None
+    else:  # the newest readable one, as a resume takes it
+        skipped = []  # (path, exception) of the newer checkpoints that cannot be used, newest first
+        ckpt = load_latest(run_dir, device, load_optimizer=False, meta_keys=INFERENCE_META_KEYS, skipped=skipped)
+        if ckpt is None:
+            path, e = skipped[0]
+            n = len(skipped) - 1
+            older = f" (and the {n} older checkpoint{'s' if n > 1 else ''} cannot be read either)" if n else ""
+            raise UserError(f"cannot read the checkpoint {path}: {_what(e, path)}{older}")
+        path = ckpt["path"]
+        if skipped:
+            why = "; ".join(_what(e, os.path.dirname(p)) for p, e in skipped)
+            print(f"warning: loaded the older checkpoint {path}: the newer one{'s' if len(skipped) > 1 else ''} "
+                  f"cannot be read: {why}", file=sys.stderr, flush=True)
+    tokenizer = get_tokenizer()
+    model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size(),
+                        tokenizer_sha256=tokenizer.fingerprint())
+    model.eval()
+    return model, tokenizer, path, ckpt["meta"]

@@ -1,7 +1,8 @@
 """
 Runtime helpers shared by every script: device choice, torchrun / torch.distributed set-up and tear-down, scalar
 all-reduces, rank-0 printing, seeding and RNG state, the base directory for data and checkpoints, clean one-line
-errors and the script runner, atomic writes, the matmul throughput used as the MFU peak.
+errors and the script runner, atomic writes, the matmul throughput used as the MFU peak, and whether this device
+computes bf16 matmuls fast (fast_bf16: the default compute dtype and Muon's Newton-Schulz dtype both ask it).
 This module imports nothing else of nanotrain: every other module may import it.
 """
 
@@ -350,3 +351,42 @@ def get_peak_flops(device, dtype=torch.float32):
         return measure_matmul_flops(torch.bfloat16, 4096, 1.0, device), f"{name} measured bf16 matmul"
     flops = measure_matmul_flops(dtype, 1024, 0.3, device)
     return flops, f"measured {str(dtype).replace('torch.', '')} matmul on {device.type}"
+
+
+_FAST_BF16 = {}  # device type -> bool, settled once per process
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # x86 flags of native bf16 dot products (AVX512-BF16, AMX)
+
+
+def fast_bf16(device):
+    """
+    True if bf16 matmuls are native and fast on `device` (a torch.device or str): always on CUDA; never on devices
+    other than CUDA and CPU; on CPU it depends on the CPU (CPUs that emulate bf16 run it several times slower than
+    fp32). Where the CPU lists its flags (Linux on x86: cpu_flags), native means the avx512_bf16 or amx_bf16 flag,
+    so the answer is the same in every process whatever else the machine is doing (a timing under load could flip
+    it, and a resumed run would then compute differently). Where it lists none, a (512, 512) bf16 matmul must measure
+    at least 2x the fp32 throughput (the 2x bar keeps the answer stable under timing noise; ~0.1 s).
+    Settled once per process and device type, with any dispatch mode (FakeTensorMode, MemTracker) switched off. Under
+    torch.distributed on CPU the ranks agree (one all-reduce MIN: False unless every rank found fast bf16), so DDP
+    replicas run the same numerics; the first call on CPU is then collective: every rank must make it.
+    Asked by nanotrain.training.precision (the default --dtype) and nanotrain.muon.ns_dtype_for. Returns a bool.
+    """
+    kind = torch.device(device).type
+    if kind not in _FAST_BF16:
+        if kind == "cuda":
+            _FAST_BF16[kind] = True
+        elif kind == "cpu":
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes():  # real tensors even when first asked inside a fake-tensor memory probe
+                flags = cpu_flags()
+                if flags is not None:
+                    fast = bool(flags & BF16_CPU_FLAGS)
+                else:
+                    fp32 = measure_matmul_flops(torch.float32, 512, 0.05)
+                    bf16 = measure_matmul_flops(torch.bfloat16, 512, 0.05)
+                    fast = bf16 >= 2 * fp32
+                # replicas must run the same numerics: False unless every rank found fast bf16 (reduced inside the
+                # guard: under a fake mode .item() of a real tensor is refused)
+                _FAST_BF16[kind] = all_reduce_scalar(fast, "min", "cpu") > 0
+        else:
+            _FAST_BF16[kind] = False
+    return _FAST_BF16[kind]

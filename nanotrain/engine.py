@@ -1,31 +1,19 @@
 """
 Inference: generation with the KV cache for a batch of prompts (chat eval, the CLI), stopping at <|assistant_end|>
-or <|bos|>, and loading a checkpoint of a training stage for inference. After nanochat's engine.py
-(karpathy/nanochat), without its calculator tool.
+or <|bos|>. After nanochat's engine.py (karpathy/nanochat), without its calculator tool. A model to generate with
+comes from nanotrain.checkpoint.load_model.
 
 Batching: prompts of the same length are prefilled and decoded together in one KV cache (nanotrain.gpt.KVCache keeps
 one position for all rows, so rows of different lengths would need left-padding and masks; grouping avoids both).
 """
 
-import os
-import sys
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 
-from nanotrain.checkpoint import (
-    INFERENCE_META_KEYS,
-    CheckpointError,
-    find_run_dir,
-    list_checkpoints,
-    load_checkpoint,
-    load_latest,
-    skip_reason,
-)
 from nanotrain.common import UserError
-from nanotrain.gpt import GPTConfig, KVCache, build_model
-from nanotrain.tokenizer import get_tokenizer
+from nanotrain.gpt import KVCache
 
 MAX_BATCH = 64  # at most this many prompts share one KV cache
 
@@ -126,61 +114,3 @@ class Engine:
             if column[0] in self.stop_ids:
                 return
             yield column[0]
-
-
-def _what(exc, base):
-    """What is wrong with a skipped checkpoint, its file named relative to `base` (nanotrain.checkpoint.skip_reason
-    for an error other than a CheckpointError)."""
-    return f"{os.path.relpath(exc.file, base)} {exc.problem}" if isinstance(exc, CheckpointError) else skip_reason(exc)
-
-
-def load_model(stage, run_name="", step=-1, device="cpu"):
-    """
-    Loads a checkpoint of a training stage for inference, as scripts/sample.py does: the newest run of `stage`
-    ("base", "mid" or "sft") if run_name is "", and its newest checkpoint if step < 0. Returns
-    (model in eval mode (fp32 weights on `device`), tokenizer, checkpoint path, meta dict).
-
-    A checkpoint that cannot be used (nanotrain.checkpoint.CheckpointError: a missing, truncated or garbage file, a
-    pickle of arbitrary objects, a meta.json without "model_config", weights that do not fit it) is handled as
-    training's resume handles it: without a step, the newest readable checkpoint is loaded and one line
-    `warning: ...` on stderr names every newer one skipped, what is wrong with it, and the one loaded (stderr, like
-    the scripts' `checkpoint: ...` line, because stdout of sample.py and chat_cli.py is the generated text); a
-    checkpoint asked for by step that cannot be used is an error, never replaced by another.
-    Raises UserError (one line) if there is no such run or checkpoint, no readable checkpoint (naming the newest
-    one's bad file and what is wrong), an unreadable requested step, or no tokenizer or another one than the
-    model's.
-    """
-    if stage not in ("base", "mid", "sft"):
-        raise UserError(f"--source={stage!r}: expected 'base', 'mid' or 'sft'")
-    run_dir = find_run_dir(stage, run_name)
-    script = {"base": "base_train.py", "mid": "mid_train.py", "sft": "chat_sft.py"}[stage]
-    paths = list_checkpoints(run_dir) if run_dir is not None else []
-    if not paths:
-        where = f" for --run_name={run_name}" if run_name else ""
-        raise UserError(f"no {stage} checkpoint found{where}; train one first (python scripts/{script})")
-    if step >= 0:  # that checkpoint or an error, never another one
-        path = next((p for p in paths if p.endswith(f"step_{step:06d}")), None)
-        if path is None:
-            raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
-        try:
-            ckpt = load_checkpoint(path, device, load_optimizer=False, meta_keys=INFERENCE_META_KEYS)
-        except CheckpointError as e:
-            raise UserError(f"cannot read the checkpoint {path}: {_what(e, path)}") from None
-    else:  # the newest readable one, as a resume takes it
-        skipped = []  # (path, exception) of the newer checkpoints that cannot be used, newest first
-        ckpt = load_latest(run_dir, device, load_optimizer=False, meta_keys=INFERENCE_META_KEYS, skipped=skipped)
-        if ckpt is None:
-            path, e = skipped[0]
-            n = len(skipped) - 1
-            older = f" (and the {n} older checkpoint{'s' if n > 1 else ''} cannot be read either)" if n else ""
-            raise UserError(f"cannot read the checkpoint {path}: {_what(e, path)}{older}")
-        path = ckpt["path"]
-        if skipped:
-            why = "; ".join(_what(e, os.path.dirname(p)) for p, e in skipped)
-            print(f"warning: loaded the older checkpoint {path}: the newer one{'s' if len(skipped) > 1 else ''} "
-                  f"cannot be read: {why}", file=sys.stderr, flush=True)
-    tokenizer = get_tokenizer()
-    model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size(),
-                        tokenizer_sha256=tokenizer.fingerprint())
-    model.eval()
-    return model, tokenizer, path, ckpt["meta"]

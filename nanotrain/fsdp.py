@@ -19,8 +19,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import is_distributed
-
 
 def is_fsdp(model):
     """
@@ -61,7 +59,7 @@ def shard_model(model, device, compute_dtype):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if not is_distributed():
+    if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard_model needs torch.distributed to be initialised (run under torchrun)")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(compute_dtype)

@@ -11,7 +11,7 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
   (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
   (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
-- the head's loss in chunks of tokens (nanotrain.head_loss): training never holds (B, T, vocab) logits
+- the head's loss in chunks of tokens (nanotrain.kernels): training never holds (B, T, vocab) logits
 - optional activation checkpointing per block (model.activation_checkpointing = True): Chen et al. 2016, "Training
   Deep Nets with Sublinear Memory Cost"; torch.utils.checkpoint, non-reentrant, as torchtitan/nanotron do per layer.
 """
@@ -25,17 +25,16 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
-from nanotrain.attention import (  # noqa: F401 (KVCache, segment_info, norm: part of this module's interface)
+from nanotrain.attention import (  # noqa: F401 (KVCache, segment_info: part of this module's interface)
     KVCache,
     apply_rotary_emb,
     attention,
     compute_dtype,
     flash_attn_varlen_func,
-    norm,
     segment_info,
 )
 from nanotrain.common import UserError
-from nanotrain.head_loss import linear_cross_entropy
+from nanotrain.kernels import linear_cross_entropy, norm, relu_squared_proj  # noqa: F401 (norm: interface)
 from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
 
 SOFTCAP = 15.0
@@ -123,32 +122,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.model_dim, config.model_dim, bias=False)
 
     def forward(self, x):
-        return _ReluSquaredProj.apply(self.c_fc(x), self.c_proj.weight)
-
-
-class _ReluSquaredProj(torch.autograd.Function):
-    """
-    c_proj(relu(h)^2), i.e. relu(h).square() @ weight.T with weight (model_dim, 4 * model_dim) cast to h's dtype (the
-    autocast dtype when autocast is on: h is c_fc's output), same values as the two ops in eager. Backward keeps only
-    relu(h) and recomputes its square for the weight's gradient, where eager autograd keeps both (the "selective
-    activation recomputation" of Korthikanti et al. 2022, applied to the activation function): 8 bytes per token per
-    model_dim less under bf16. dL/dh = 2 relu(h) * (g @ weight); dL/dweight = g.T @ relu(h)^2.
-    """
-
-    @staticmethod
-    def forward(ctx, h, weight):
-        r = F.relu(h)
-        w = weight.to(h.dtype)
-        ctx.save_for_backward(r, w)
-        ctx.weight_dtype = weight.dtype
-        return r.square() @ w.t()
-
-    @staticmethod
-    def backward(ctx, grad):
-        r, w = ctx.saved_tensors
-        g = grad.to(r.dtype)
-        grad_weight = (g.flatten(0, -2).t() @ r.square().flatten(0, -2)).to(ctx.weight_dtype)
-        return (g @ w).mul_(r).mul_(2), grad_weight
+        return relu_squared_proj(self.c_fc(x), self.c_proj.weight)
 
 
 class Block(nn.Module):
@@ -196,7 +170,7 @@ class GPT(nn.Module):
                             f"(got model_dim={c.model_dim}, n_head={c.n_head}, n_kv_head={c.n_kv_head})")
         self.config = config
         self.activation_checkpointing = False
-        self.loss_chunk_size = None  # tokens per chunk of the head's loss; None: head_loss.chunk_size_for the shapes
+        self.loss_chunk_size = None  # tokens per chunk of the head's loss; None: kernels.chunk_size_for the shapes
         self.head_dim = c.model_dim // c.n_head
         # on the meta device nn.Embedding's own init would import torch._dynamo (a measured start-up cost) for
         # nothing: hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
@@ -357,7 +331,7 @@ class GPT(nn.Module):
         (B, 1, vocab_size) for the last position only with last_only=True (generation).
         With targets (int64 (B, T), -1 = ignored) returns the fp32 cross-entropy: a scalar for loss_reduction "mean"
         or "sum", (B*T,) for "none" (0 at ignored positions). "sum" over no counted target is 0 (not NaN); "mean"
-        over none is NaN. The loss never materialises the logits: nanotrain.head_loss.linear_cross_entropy computes
+        over none is NaN. The loss never materialises the logits: nanotrain.kernels.linear_cross_entropy computes
         head and loss loss_chunk_size tokens at a time (the attribute; None: chosen from the shapes). With kv_cache,
         the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix.
         doc_ids: optional int (B, T) sequence id per token for packed rows (see segment_info): every run of equal

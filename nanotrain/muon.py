@@ -12,9 +12,8 @@ sharded on dim 0: Newton-Schulz needs the whole matrix, so each update is all-ga
 import sys
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from nanotrain.common import all_reduce_scalar, cpu_flags, measure_matmul_flops
+from nanotrain.common import fast_bf16
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz coefficients (Keller Jordan 2024, modded-nanogpt)
 # Polar Express (Amsel, Persson, Musco, Gower 2025, "The Polar Express: Optimal Matrix Sign Methods and Their
@@ -67,45 +66,18 @@ def zeropower_via_newtonschulz5(G, steps=5, dtype=None, polar_express=False):
     return X.mT if transposed else X
 
 
-_NS_DTYPE = {}  # device type -> chosen Newton-Schulz dtype (settled once per process)
-BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # x86 flags of native bf16 dot products (AVX512-BF16, AMX)
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def ns_dtype_for(device):
     """
-    The Newton-Schulz compute dtype Muon uses on `device` when none is given: bf16 on CUDA (as modded-nanogpt and
-    nanochat). On CPU it depends on the CPU: bf16 only where bf16 matmuls are native and fast, else fp32 (CPUs that
-    emulate bf16 run it several times slower than fp32). Where the CPU lists its flags (Linux on x86:
-    nanotrain.common.cpu_flags), native means the avx512_bf16 or amx_bf16 flag, so the choice is the same in every
-    process whatever else the machine is doing (a timing under load could flip it, and a resumed run would then
-    compute differently). Where it lists none, a (512, 512) bf16 matmul must measure at least 2x the fp32
-    throughput (the 2x bar keeps the choice stable under timing noise; ~0.1 s). Settled once per process and device
-    type, with any dispatch mode (FakeTensorMode, MemTracker) switched off. Under torch.distributed on CPU the ranks
-    agree (one all-reduce MIN: fp32 unless every rank found fast bf16), so DDP replicas run the same numerics; the
-    first call is then collective, which is why GPT.setup_optimizers makes it on every rank before the first step.
-    Returns a torch.dtype.
+    The Newton-Schulz compute dtype Muon uses on `device` when none is given: torch.bfloat16 where bf16 matmuls are
+    fast (nanotrain.common.fast_bf16: CUDA, as modded-nanogpt and nanochat; on CPU only where they are native), else
+    torch.float32 (CPUs that emulate bf16 run it several times slower than fp32). Settled once per process; on CPU
+    under torch.distributed the first call is collective, which is why GPT.setup_optimizers makes it on every rank
+    before the first step. Returns a torch.dtype.
     """
-    kind = torch.device(device).type
-    if kind not in _NS_DTYPE:
-        if kind == "cuda":
-            _NS_DTYPE[kind] = torch.bfloat16
-        elif kind == "cpu":
-            with _disable_current_modes():  # real tensors even when first asked inside a fake-tensor memory probe
-                flags = cpu_flags()
-                if flags is not None:
-                    fast = bool(flags & BF16_CPU_FLAGS)
-                else:
-                    fp32 = measure_matmul_flops(torch.float32, 512, 0.05)
-                    bf16 = measure_matmul_flops(torch.bfloat16, 512, 0.05)
-                    fast = bf16 >= 2 * fp32
-                # replicas must run the same numerics: fp32 unless every rank found fast bf16 (reduced inside the
-                # guard: under a fake mode .item() of a real tensor is refused)
-                fast = all_reduce_scalar(fast, "min", "cpu") > 0
-            _NS_DTYPE[kind] = torch.bfloat16 if fast else torch.float32
-        else:
-            _NS_DTYPE[kind] = torch.float32
-    return _NS_DTYPE[kind]
+    return torch.bfloat16 if fast_bf16(device) else torch.float32
 
 
 def orthogonalize(update, steps=5, dtype=None, polar_express=False, then=None):

@@ -8,9 +8,10 @@ render_conversation) to the tensors a training step runs on:
 - lpt_pack: assigns the conversations of an optimizer step to ranks and micro-batches under a token budget,
   longest first, with the same number of micro-batches on every rank.
 - ConversationSampler: the order of the conversations, epoch by epoch, with (epoch, offset) as resumable state.
-- token_loss_scale / global_target_count / backward_step / evaluate_loss: the loss of a step as a global token
-  mean, whatever the split into micro-batches and ranks (a mean per micro-batch would weight the tokens of short
-  micro-batches more: the gradient-accumulation bug that Hugging Face transformers fixed in 2024).
+- token_loss_scale / global_target_count / evaluate_loss: the loss of a step as a global token mean, whatever the
+  split into micro-batches and ranks (the scale is nanotrain.training.forward_backward's loss_scale; a mean per
+  micro-batch would weight the tokens of short micro-batches more: the gradient-accumulation bug that Hugging Face
+  transformers fixed in 2024).
 Mid-training's token stream of concatenated conversations is nanotrain.dataloader.ConversationTokenStream.
 
 Targets use IGNORE_INDEX = -1 (GPT.forward's ignore index) for every position that is not trained.
@@ -224,7 +225,8 @@ def global_target_count(local_count, device):
 
 def token_loss_scale(global_count, world_size=1):
     """
-    The factor for each micro-batch's summed loss (GPT.forward(..., loss_reduction="sum")) before backward:
+    The factor for each micro-batch's summed loss (GPT.forward(..., loss_reduction="sum")) before backward
+    (nanotrain.training.forward_backward's loss_scale):
     world_size / global_count, where world_size is the number of ranks whose gradients DDP averages (1 without DDP).
     Summed over micro-batches and averaged over ranks, the gradient is then exactly that of
     (sum of all per-token losses of the step) / global_count, whatever the split into micro-batches and ranks
@@ -232,38 +234,6 @@ def token_loss_scale(global_count, world_size=1):
     transformers fixed in 2024). Returns 0.0 when global_count is 0 (the caller skips that step).
     """
     return 0.0 if global_count == 0 else world_size / global_count
-
-
-def backward_step(model, batches, autocast_ctx=None):
-    """
-    Forward and backward of this rank's micro-batches of one optimizer step (micro_batch() dicts), with the loss
-    normalisation above: counts the trained targets of all micro-batches on all ranks first (global_target_count,
-    one all-reduce), then backpropagates each micro-batch's summed loss times token_loss_scale(count, W), with W the
-    world size if `model` is a DistributedDataParallel wrapper (which averages gradients over ranks) and 1 otherwise.
-    Under DDP the gradients are synchronised on the last micro-batch only. Every rank must pass the same number of
-    batches (lpt_pack's plan guarantees it).
-    Returns (scaled_loss, global_count): scaled_loss is a 0-dim fp32 tensor whose mean over ranks (e.g.
-    training.global_mean_and_flag) is the step's global token-mean loss; when global_count is 0 nothing is run
-    (no NaN) and scaled_loss is 0: the caller skips the optimizer step.
-    """
-    device = batches[0]["x"].device
-    count = global_target_count(sum(b["targets"] for b in batches), device)
-    scaled = torch.zeros((), device=device)
-    if count == 0:
-        return scaled, 0
-    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    scale = token_loss_scale(count, dist.get_world_size() if ddp else 1)
-    for i, b in enumerate(batches):
-        if ddp:
-            model.require_backward_grad_sync = i == len(batches) - 1
-        if autocast_ctx is not None:
-            with autocast_ctx:
-                loss = model(b["x"], b["y"], loss_reduction="sum", doc_ids=b["doc_ids"])
-        else:
-            loss = model(b["x"], b["y"], loss_reduction="sum", doc_ids=b["doc_ids"])
-        (loss * scale).backward()
-        scaled += loss.detach().float() * scale
-    return scaled, count
 
 
 @torch.no_grad()

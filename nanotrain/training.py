@@ -1,30 +1,21 @@
 """
-The small pieces of a training loop that every stage (base_train, mid_train, chat_sft) shares: precision set-up, the
-lr schedule, the optimizer step, the metrics log, and the replica check under DDP (stop signals: nanotrain.stop).
-Models sharded with FSDP2 (nanotrain.fsdp) go through the same functions.
-The loops themselves stay in the scripts, to be read top to bottom.
+The training step, written once, and the small pieces every stage's loop shares: precision set-up, the batch
+arithmetic, the lr and momentum schedules, forward_backward (the micro-steps of one optimizer step, with the one
+gradient-sync rule of DDP and FSDP2), optimizer_step and the finiteness checks. Every caller goes through
+forward_backward: base_train and mid_train (rows of equal length), chat_sft (token-weighted micro-batches), the
+automatic batch size's out-of-memory step-down (the same rows in smaller micro-batches) and its memory probe (the
+step itself). The loops stay in the scripts, to be read top to bottom; a run directory's life is nanotrain.run.
 """
 
-import json
+import gc
 import math
-import os
-import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import (
-    UserError,
-    atomic_write_json,
-    check_compile_toolchain,
-    get_base_dir,
-    is_distributed,
-    print0,
-)
+from nanotrain.common import UserError, any_rank, check_compile_toolchain, fast_bf16
 from nanotrain.fsdp import is_fsdp
-from nanotrain.muon import Muon, ns_dtype_for
-from nanotrain.report import write_section
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -32,15 +23,15 @@ COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def precision(dtype, device):
     """
     Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls (AVX512-BF16
-    or AMX, as nanotrain.muon.ns_dtype_for decides it once per process; under torch.distributed the ranks agree, so
+    or AMX, as nanotrain.common.fast_bf16 decides it once per process; under torch.distributed the ranks agree, so
     every rank must call this), float32 elsewhere. Parameters, gradients and optimizer state stay fp32 in
     every case (autocast only lowers the matmuls). Returns (compute dtype, autocast context): (torch.bfloat16,
     torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).
     Raises UserError for anything but "", "bfloat16", "float32".
     """
     if not dtype:  # measured only when asked for (a given --dtype skips the CPU measurement)
-        fast_bf16 = device.type == "cuda" or (device.type == "cpu" and ns_dtype_for(device) == torch.bfloat16)
-        dtype = "bfloat16" if fast_bf16 else "float32"
+        fast = device.type == "cuda" or (device.type == "cpu" and fast_bf16(device))
+        dtype = "bfloat16" if fast else "float32"
     if dtype not in COMPUTE_DTYPES:
         raise UserError(f"--dtype={dtype!r}: expected 'bfloat16', 'float32' or '' (auto)")
     compute_dtype = COMPUTE_DTYPES[dtype]
@@ -111,7 +102,7 @@ def muon_weight_decay_for(model_dim):
     return 0.4 * min(1.0, (512 / model_dim) ** 2)
 
 
-def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, total_steps=0, warmdown_ratio=0.0, final=None):
+def muon_momentum(step, *, warmup_steps=300, start=0.85, end=0.95, total_steps=0, warmdown_ratio=0.0, final=None):
     """
     Muon's momentum at optimizer step `step` (0-based): linear from `start` to `end` over the first `warmup_steps`
     steps (0: `end` from the start), then `end`; with `final` given, linear from `end` at the start of the lr
@@ -127,46 +118,137 @@ def muon_momentum(step, warmup_steps=300, start=0.85, end=0.95, total_steps=0, w
     return end + (final - end) * (step - (total_steps - warmdown)) / warmdown
 
 
-def forward_backward(model, inputs, targets, micro_batch_size, autocast_ctx):
+
+# Out-of-memory messages, matched as substrings of str(exc) for RuntimeError and its subclasses (torch.OutOfMemoryError
+# and torch.AcceleratorError both subclass RuntimeError in torch 2.13). (marker, where the string comes from)
+OOM_MESSAGES = (
+    ("CUDA out of memory.", "pytorch c10/cuda/CUDACachingAllocator.cpp (TORCH_CHECK_WITH(OutOfMemoryError, ...)), "
+                            "raised as torch.OutOfMemoryError"),
+    ("CUDA error: out of memory", "pytorch C10_CUDA_CHECK (c10/cuda/CUDAException.cpp): 'CUDA error: ' + "
+                                  "cudaGetErrorString(cudaErrorMemoryAllocation), torch.AcceleratorError on recent "
+                                  "torch; also matched by Composer's auto microbatching"),
+    ("HIP out of memory.", "the hipified CUDACachingAllocator of ROCm builds (torch.OutOfMemoryError)"),
+    ("HIP error: out of memory", "C10_HIP_CHECK, the hipified C10_CUDA_CHECK of ROCm builds"),
+    ("XPU out of memory.", "pytorch c10/xpu/XPUCachingAllocator.cpp (TORCH_CHECK_WITH(OutOfMemoryError, ...))"),
+    ("Allocation is out of device memory on current platform.",
+     "intel-extension-for-pytorch csrc/gpu/utils/DPCPP.h (std::runtime_error -> RuntimeError); matched by OTX's "
+     "adaptive batch size"),
+    ("MPS backend out of memory", "pytorch aten/src/ATen/mps/MPSAllocator.mm (TORCH_CHECK -> RuntimeError)"),
+    ("DefaultCPUAllocator: can't allocate memory", "pytorch c10/core/impl/alloc_cpu.cpp; the string is in the "
+                                                  "installed libc10.so (torch 2.13) and torch.empty(2**50) raises it "
+                                                  "as a plain RuntimeError"),
+)
+
+
+def is_oom_error(exc):
     """
-    The micro-steps of one pretraining optimizer step. inputs, targets: int64 (N, T) with N a multiple of
-    micro_batch_size; they run as N // micro_batch_size micro-batches whose gradients accumulate in .grad.
-    Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the gradient
-    of the mean loss over all N * T tokens (every micro-batch holds the same number of tokens: pretraining targets are
-    never -1). Under DDP (model is DistributedDataParallel) gradients are all-reduced only in the last micro-step's
-    backward (no_sync on the others, as in nanoGPT); under FSDP2 (nanotrain.fsdp) likewise only the last micro-step
-    reduce-scatters (set_requires_gradient_sync), the others accumulate unsharded gradients locally (as much gradient
-    memory as DDP until that reduce-scatter; syncing every micro-step would keep less and communicate more).
-    Returns the mean loss over the N rows (detached 0-dim tensor). Raises ValueError if N is not a multiple of
-    micro_batch_size.
+    True if `exc` is an out-of-memory error of some accelerator: a torch.OutOfMemoryError (alias
+    torch.cuda.OutOfMemoryError), or a RuntimeError (torch.AcceleratorError included) whose message contains one of
+    OOM_MESSAGES (CUDA, ROCm/HIP, XPU, MPS, CPU allocator). Everything else is False and must propagate: treating any
+    error as "too big" hides real bugs (Lightning's is_oom_error only knows CUDA and misses XPU and MPS).
+    """
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    msg = str(exc)
+    return any(marker in msg for marker, _ in OOM_MESSAGES)
+
+
+def micro_batches(inputs, targets, micro_batch_size):
+    """
+    The rows of one optimizer step cut into micro-batches for forward_backward: inputs, targets int64 (N, T) with N a
+    multiple of micro_batch_size. Returns a list of N // micro_batch_size dicts {"x": (micro_batch_size, T),
+    "y": (micro_batch_size, T)} (views, no copy). Raises ValueError if N is not a multiple of micro_batch_size.
     """
     n_rows = inputs.size(0)
-    if n_rows % micro_batch_size != 0:
+    if micro_batch_size < 1 or n_rows % micro_batch_size != 0:
         raise ValueError(f"{n_rows} rows do not split into micro-batches of {micro_batch_size}")
-    n_micro = n_rows // micro_batch_size
-    is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    return [{"x": inputs[i:i + micro_batch_size], "y": targets[i:i + micro_batch_size]}
+            for i in range(0, n_rows, micro_batch_size)]
+
+
+def forward_backward(model, batches, autocast_ctx, *, loss_scale=None, catch_oom=False, on_micro_step=None):
+    """
+    The micro-steps of one optimizer step: forward and backward of every micro-batch in `batches`, gradients
+    accumulating in .grad. batches: a list of dicts {"x", "y": int64 (B, T) inputs and targets (-1: not trained),
+    optionally "doc_ids": int64 (B, T) for packed rows} (micro_batches(), sft_data.micro_batch()). The loss of each:
+    - loss_scale None (rows of equal length, every target trained: pretraining, mid-training): the micro-batch's mean
+      loss divided by the number of micro-batches, so the accumulated gradient is that of the mean loss over all the
+      step's tokens; returns the mean of the micro-batches' mean losses (detached 0-dim tensor).
+    - loss_scale a float (SFT): the micro-batch's summed loss (loss_reduction="sum") times loss_scale, e.g.
+      sft_data.token_loss_scale (world size / global trained targets): the gradient is then that of the token-mean
+      loss over the whole step, whatever its split into micro-batches and ranks; returns the sum of the scaled losses
+      (detached 0-dim fp32 tensor; its mean over ranks is the step's token-mean loss).
+    The gradient-sync rule, the only one in nanotrain: under DDP (model is DistributedDataParallel) the gradients
+    are all-reduced in the last micro-step's backward only (no_sync() on the others, as in nanoGPT); under FSDP2
+    (nanotrain.fsdp) likewise only the last micro-step reduce-scatters (set_requires_gradient_sync), the others
+    accumulate unsharded gradients locally (as much gradient memory as DDP until that reduce-scatter).
+    catch_oom=True (the automatic batch size's step-down): an out-of-memory error (is_oom_error) of a micro-step is
+    caught and the ranks agree after every micro-step (one all-reduce each), so that no rank waits in a collective
+    that another left; if any rank ran out of memory every rank drops its gradients and None is returned (the caller
+    redoes the step in smaller micro-batches). DDP's sync then runs after the last micro-step instead, one all-reduce
+    per gradient and a division by the world size: the same average. Not for FSDP2, whose collectives run inside
+    forward and backward (ValueError).
+    on_micro_step: called after each micro-step's backward (the memory probe resets its tracker's module state).
+    Every rank must pass the same number of micro-batches. Raises ValueError for no micro-batch.
+    """
+    if not batches:
+        raise ValueError("forward_backward: no micro-batch")
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     sharded = is_fsdp(model)
-    loss_sum = torch.zeros((), device=inputs.device)
-    for i in range(n_micro):
-        x = inputs[i * micro_batch_size:(i + 1) * micro_batch_size]
-        y = targets[i * micro_batch_size:(i + 1) * micro_batch_size]
-        if is_ddp:
-            model.require_backward_grad_sync = i == n_micro - 1
-        elif sharded:
-            model.set_requires_gradient_sync(i == n_micro - 1)
-        with autocast_ctx:
-            loss = model(x, y)
-        loss_sum += loss.detach()
-        (loss / n_micro).backward()
-    return loss_sum / n_micro
+    if catch_oom and sharded:
+        raise ValueError("forward_backward: catch_oom=True is not possible under FSDP2 (collectives inside forward "
+                         "and backward)")
+    n = len(batches)
+    total = torch.zeros((), device=batches[0]["x"].device)
+    oom = False
+    for i, b in enumerate(batches):
+        sync = i == n - 1 and not catch_oom  # with catch_oom, DDP's all-reduce comes after the loop
+        if sharded:
+            model.set_requires_gradient_sync(sync)
+        try:
+            with model.no_sync() if ddp and not sync else nullcontext():
+                kwargs = {} if loss_scale is None else {"loss_reduction": "sum"}
+                if b.get("doc_ids") is not None:
+                    kwargs["doc_ids"] = b["doc_ids"]
+                with autocast_ctx:
+                    loss = model(b["x"], b["y"], **kwargs)
+                if loss_scale is None:
+                    total += loss.detach()
+                    (loss / n).backward()
+                else:
+                    (loss * loss_scale).backward()
+                    total += loss.detach().float() * loss_scale
+        except Exception as exc:  # only OOM is recoverable, and only when asked; cleaned up below, outside except
+            if not (catch_oom and is_oom_error(exc)):
+                raise
+            oom = True
+        loss = None  # the micro-step's graph is gone before the next one (or before the cleanup)
+        if on_micro_step is not None:
+            on_micro_step()
+        if catch_oom and any_rank(oom, total.device):  # every rank redoes the step if one ran out of memory
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if total.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None
+    if catch_oom and ddp:  # the sync no_sync() skipped: one all-reduce per gradient, then the mean
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        for handle in [dist.all_reduce(g, async_op=True) for g in grads]:
+            handle.wait()
+        torch._foreach_div_(grads, dist.get_world_size())
+    return total / n if loss_scale is None else total
 
 
-def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
+def optimizer_step(model, optimizers, lrm, momentum, grad_clip, *, skip_nonfinite=True):
     """
     One update of every optimizer: clip the (already synchronised, so global) gradient norm to grad_clip if > 0,
-    set each group's lr to initial_lr * lrm and Muon's momentum, step, and zero the gradients (set to None).
+    set each group's lr to initial_lr * lrm (lrm None: lrs as they are) and Muon's momentum (nanotrain.muon.Muon's
+    groups, told by their "ns_steps" entry; momentum None: unchanged), step, and zero the gradients (set to None).
     If the global gradient norm is NaN/inf nothing is updated and the gradients are dropped (with the soft-capped
     loss a NaN gradient shows up a step before a NaN loss); the caller stops with check_finite on the returned norm.
+    skip_nonfinite=False leaves that check out (the memory probe under FakeTensorMode has no values to check).
     Returns the gradient norm before clipping (a plain 0-dim fp32 tensor, also when grad_clip is 0). Under FSDP2 the
     norm is computed over the shards and all-reduced by clip_grad_norm_ (a replicated DTensor, made plain here), so it
     is the global norm on every rank.
@@ -174,13 +256,14 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
     if hasattr(grad_norm, "full_tensor"):  # DTensor (FSDP2)
         grad_norm = grad_norm.full_tensor()
-    if not torch.isfinite(grad_norm):
+    if skip_nonfinite and not torch.isfinite(grad_norm):
         model.zero_grad(set_to_none=True)
         return grad_norm
     for opt in optimizers:
         for group in opt.param_groups:
-            group["lr"] = group["initial_lr"] * lrm
-            if isinstance(opt, Muon):
+            if lrm is not None:
+                group["lr"] = group["initial_lr"] * lrm
+            if momentum is not None and "ns_steps" in group:  # a Muon group
                 group["momentum"] = momentum
     for opt in optimizers:
         opt.step()
@@ -196,129 +279,3 @@ def check_finite(value, step, run_dir, what="loss"):
     if not math.isfinite(value):
         raise UserError(f"non-finite {what} {value} at step {step}; stopped before the update (the last checkpoint "
                         f"in {run_dir}/checkpoints is intact; try a lower lr)")
-
-
-class MetricsLog:
-    """
-    metrics.jsonl in the run directory, one JSON object per line, written by rank 0. A fresh run starts it empty; a
-    resumed run keeps the rows before the step it resumes from and that step's training row (rows with "dt"); the
-    evaluation rows of that step and everything later are dropped, because the resumed run evaluates at its first
-    step again (the saving run may or may not have: a regular save comes before the evaluation, a stop request
-    saves and leaves before it), so every evaluation appears exactly once.
-
-    On resume, an unparseable last line is the torn row of a killed run and is dropped. Any other line that is not a
-    JSON object with an int "step" (a file rewritten as one JSON list, rows of another tool) cannot be placed before
-    or after the resume step: the resume stops with UserError naming file:line, before anything is changed, so the
-    user decides what becomes of those rows (repair or remove them, then resume again).
-    """
-
-    def __init__(self, run_dir, resume_step=None, master=True):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.file = None
-        if not master:
-            return
-        if resume_step is None:
-            if os.path.exists(self.path):
-                os.remove(self.path)
-        elif os.path.exists(self.path):
-            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
-                lines = [(n, ln if ln.endswith("\n") else ln + "\n") for n, ln in enumerate(f, 1) if ln.strip()]
-            keep = []
-            for i, (number, line) in enumerate(lines):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    if i == len(lines) - 1:  # the torn last row of a killed run
-                        continue
-                    row = None
-                if not (isinstance(row, dict) and type(row.get("step")) is int):
-                    raise UserError(f"{self.path}:{number}: expected a JSON object with an int \"step\", got "
-                                    f"{line.strip()[:60]!r}; nothing was changed: repair or remove that line, then "
-                                    f"resume again")
-                if row["step"] < resume_step or (row["step"] == resume_step and "dt" in row):
-                    keep.append(line)
-            with open(self.path + ".tmp", "w", encoding="utf-8", errors="surrogateescape") as f:
-                f.writelines(keep)
-            os.replace(self.path + ".tmp", self.path)
-        self.file = open(self.path, "a")
-
-    def log(self, **row):
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-
-    def close(self):
-        if self.file is not None:
-            self.file.close()
-
-
-def open_run_log(run_dir, settings, resume_step, master):
-    """
-    The start of a stage's records: prints the run directory and (rank 0) the final settings, writes them to
-    <run_dir>/config.json atomically, and returns the MetricsLog of the run (resume_step: the step a resumed run
-    continues from, None for a fresh run).
-    """
-    print0(f"Run directory: {run_dir}")
-    metrics = MetricsLog(run_dir, resume_step, master)  # first: a metrics.jsonl it refuses leaves config.json as it was
-    if master:
-        print0("Config: " + json.dumps(settings, sort_keys=True))
-        atomic_write_json(os.path.join(run_dir, "config.json"), settings)
-    return metrics
-
-
-def finish_run(model, run_dir, stage, metrics, t_start, summary):
-    """
-    The end of a training stage: checks that DDP replicas agree (check_replicas), prints the stage's summary line
-    and where the outputs are, closes the metrics log and writes the stage's section of the report card
-    (nanotrain.report.write_section, rank 0) with the stage's wall time since t_start (time.time() seconds).
-    """
-    check_replicas(model)
-    print0(summary)
-    print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
-    metrics.close()
-    report = write_section(os.path.basename(run_dir), stage, run_dir, {"wall_time_s": time.time() - t_start})
-    if report:  # rank 0 only
-        print0(f"Report card: {report}")
-
-
-def check_replicas(model):
-    """
-    Under DDP: compares a float64 checksum of every parameter across ranks and raises RuntimeError if any rank's
-    parameters differ (replica drift). Returns the checksum (float); a no-op returning None without DDP. Under FSDP2
-    (sharded parameters, no replicas; a full_tensor() is the same all-gather on every rank) nothing is compared: it
-    prints a note, waits at a barrier like the DDP path and returns None.
-    """
-    if not is_distributed():
-        return None
-    if is_fsdp(model):
-        print0("Replica check: skipped under FSDP (parameters are sharded across ranks, not replicated)")
-        dist.barrier()
-        return None
-    with torch.no_grad():
-        checksum = sum((p.double().flatten() * torch.linspace(1, 2, p.numel(), dtype=torch.float64,
-                        device=p.device)).sum() for p in model.parameters())
-    sums = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
-    dist.all_gather(sums, checksum)
-    if any(s.item() != sums[0].item() for s in sums):
-        raise RuntimeError(f"parameters differ across ranks: checksums {[s.item() for s in sums]}")
-    print0(f"Replica check: parameters identical on all {len(sums)} ranks (checksum {sums[0].item():.10e})")
-    dist.barrier()  # every rank is done communicating before any of them tears the process group down
-    return sums[0].item()
-
-
-def step_log_line(step, total_steps, *, loss, grad_norm, lrm, dt, tokens, flops_per_token, peak_flops, world_size):
-    """
-    The one-line log of optimizer step `step` of `total_steps` and its metrics row (a dict: step, loss, lrm, dt,
-    tok_per_sec, mfu). loss: the global mean (float); grad_norm: float or None (not shown); lrm: the lr multiplier;
-    dt: the step's wall time in seconds; tokens: the tokens of the step on all ranks; flops_per_token: training FLOPs
-    per token; peak_flops: one device's peak FLOP/s. Returns (line, row).
-    """
-    tok_per_sec = tokens / dt
-    mfu = flops_per_token * tokens / dt / (peak_flops * world_size)
-    eta = (total_steps - step) * dt
-    gn = f" | grad norm {grad_norm:.3f}" if grad_norm is not None else ""
-    line = (f"step {step:05d}/{total_steps:05d} ({100 * step / total_steps:.1f}%) | loss {loss:.6f}{gn} | "
-            f"lrm {lrm:.3f} | dt {dt * 1000:.1f}ms | tok/s {tok_per_sec:,.0f} | mfu {100 * mfu:.1f}% | "
-            f"eta {eta / 60:.1f}m")
-    row = dict(step=step, loss=loss, lrm=lrm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
-    return line, row

@@ -1,7 +1,7 @@
 """
 Plan mode of the automatic device batch size: ESTIMATES, without a GPU, the largest device_batch_size of nanotrain's
 GPT at each depth for a CUDA device with device_memory_gb GiB (bf16 autocast, eager step), by measuring the training
-step with fake tensors (nanotrain.memory.measure_fake_peak) in the search of nanotrain.auto_batch_size.
+step with fake tensors (nanotrain.autobatch.probe.measure_fake_peak) in the search of nanotrain.autobatch.search.
 
     python scripts/auto_batch_plan.py --depths=12,20,26,32 --max_seq_len=2048 --device_memory_gb=80
 
@@ -16,11 +16,12 @@ import time
 
 import torch
 
-from nanotrain.auto_batch_size import candidate_batch_sizes, gpt_builder, search_batch_size
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.probe import GiB, measure_fake_peak
+from nanotrain.autobatch.search import candidate_batch_sizes, search_batch_size
 from nanotrain.common import UserError, rng_state, run_script, set_rng_state
 from nanotrain.configurator import configure
 from nanotrain.gpt import GPT, config_from_depth
-from nanotrain.memory import GiB, measure_fake_peak
 
 depth = None  # one depth (int); None: the depths below
 depths = "12,20,26,32"  # comma-separated depths

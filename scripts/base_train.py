@@ -16,15 +16,10 @@ import time
 
 import torch
 
-from nanotrain.auto_batch_size import OOMStepDown, discover_device_batch_size, gpt_builder
-from nanotrain.checkpoint import (
-    check_resume,
-    get_run_dir,
-    load_optimizers,
-    lock_run_dir,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.search import discover_device_batch_size
+from nanotrain.autobatch.stepdown import OOMStepDown
+from nanotrain.checkpoint import check_resume, load_optimizers, resume_checkpoint, save_checkpoint
 from nanotrain.common import (
     all_reduce_scalar,
     any_rank,
@@ -43,20 +38,19 @@ from nanotrain.dataset import resolve_data_files
 from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.gpt import adamw_lr_scale, build_model, config_from_depth
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
     check_finite,
-    finish_run,
     forward_backward,
     grad_accum_steps_for,
     lr_multiplier,
+    micro_batches,
     muon_momentum,
     muon_weight_decay_for,
-    open_run_log,
     optimizer_step,
     precision,
     resolve_compile,
-    step_log_line,
 )
 
 # ----------------------------------------------------------------------------- settings
@@ -177,8 +171,13 @@ def main():
     else:
         device_batch_size = 32
         print0(f"device_batch_size not set: using the fixed default {device_batch_size}")
-    grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
-    rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches
+
+    def batch_sizes(device_batch_size):  # everything that depends on the device batch size, here and after a step-down
+        grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+        eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * world_size))  # always eval_tokens
+        return device_batch_size, grad_accum_steps, eval_steps
+    device_batch_size, grad_accum_steps, eval_steps = batch_sizes(device_batch_size)
+    rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches: fixed by total_batch_size
 
     # resume: the newest complete checkpoint of this run, written with the same data and sizes
     ckpt = resume_checkpoint(run_dir, torch.device("cpu") if use_fsdp else device, rank, device) if resume else None
@@ -224,7 +223,6 @@ def main():
 
     def val_batches():  # contiguous rows whatever row_packing is: every validation token counted once
         return TokenLoader(tokenizer, val_files, device_batch_size, max_seq_len, device, rank, world_size)
-    eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * world_size))
 
     # logging
     peak_flops, peak_source = get_peak_flops(device, compute_dtype)
@@ -259,9 +257,7 @@ def main():
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
-        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]
-        if step > 0 and (last_step or (save_every > 0 and step % save_every == 0)) and not (
-                resumed_here and not last_step):
+        if save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True")
@@ -293,15 +289,17 @@ def main():
         x, y = train_loader.next_batch(rows_per_step)
         if step_down is not None:  # an out-of-memory steps every rank down to a smaller size and redoes the step
             loss = step_down.forward_backward(model, x, y, autocast_ctx, step)
-            device_batch_size = step_down.device_batch_size
+            if step_down.device_batch_size != device_batch_size:
+                device_batch_size, grad_accum_steps, eval_steps = batch_sizes(step_down.device_batch_size)
         else:
-            loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
+            loss = forward_backward(model, micro_batches(x, y, device_batch_size), autocast_ctx)
         train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
         lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
-        mom = muon_momentum(step, momentum_warmup, 0.85, momentum, total_steps, warmdown_ratio, final_momentum)
+        mom = muon_momentum(step, warmup_steps=momentum_warmup, start=0.85, end=momentum, total_steps=total_steps,
+                            warmdown_ratio=warmdown_ratio, final=final_momentum)
         grad_norm = optimizer_step(orig_model, optimizers, lrm, mom, grad_clip)
         check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
         synchronize(device)

@@ -17,7 +17,7 @@ nanotrain.common.GPU_PEAK_FLOPS (bf16 dense); on CPU: the (n=1024) matmul throug
 this process before and after the timed steps, the larger of the two (a busy machine lowers it, which would inflate
 MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
 torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
-(nanotrain.memory.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
+(nanotrain.autobatch.probe.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
 RSS (getrusage) over the run. --activation_checkpointing=True measures the checkpointed step (both the timing and the
 memory estimate), e.g. --vs="--activation_checkpointing=True" for its cost in tokens/s.
 
@@ -39,7 +39,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-from nanotrain.auto_batch_size import gpt_builder
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.probe import measure_fake_peak
 from nanotrain.common import (
     UserError,
     all_reduce_scalar,
@@ -53,10 +54,16 @@ from nanotrain.configurator import ConfigError, apply_overrides, configure, vali
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import iter_documents, resolve_data_files
 from nanotrain.gpt import build_model, config_from_depth
-from nanotrain.memory import measure_fake_peak
 from nanotrain.muon import ns_dtype_for
 from nanotrain.tokenizer import get_tokenizer
-from nanotrain.training import forward_backward, muon_momentum, muon_weight_decay_for, optimizer_step, precision
+from nanotrain.training import (
+    forward_backward,
+    micro_batches,
+    muon_momentum,
+    muon_weight_decay_for,
+    optimizer_step,
+    precision,
+)
 
 # ----------------------------------------------------------------------------- settings
 depth = 4  # n_layer; model_dim = depth * 64
@@ -204,7 +211,7 @@ class Setup:
         with record_function("loader"):
             x, y = self.loader.next_batch(self.cfg["device_batch_size"] * self.grad_accum_steps)
         with record_function("forward_backward"):
-            loss = forward_backward(self.model, x, y, self.cfg["device_batch_size"], self.autocast_ctx)
+            loss = forward_backward(self.model, micro_batches(x, y, self.cfg["device_batch_size"]), self.autocast_ctx)
             all_reduce_scalar(loss, "mean", self.device)  # the per-step .item() base_train does
         with record_function("optimizer_step"):
             optimizer_step(self.orig_model, self.optimizers, 1.0, muon_momentum(self.step_count), 1.0)
@@ -238,7 +245,7 @@ class Setup:
                                  vocab_size=self.model_config.vocab_size, device=self.device,
                                  amp_dtype=self.compute_dtype)
         torch.set_rng_state(state)
-        return peak, "MemTracker estimate of the eager training step (nanotrain.memory.measure_fake_peak)"
+        return peak, "MemTracker estimate of the eager training step (nanotrain.autobatch.probe.measure_fake_peak)"
 
 
 def tokenizer_throughput(tokenizer, train_files, num_threads=4, max_chars=1_000_000, repeats=3):
@@ -267,7 +274,7 @@ def profile_breakdown(prof, steps, top=20):
     Where a profiled step's time goes, per optimizer step in seconds (host time: on CUDA the kernels' own time is in
     the stderr table): "phases" (loader, forward, backward, optimizer_step; backward is the autograd engine's
     evaluate_function events, forward the rest of forward_backward, which includes the head's gradients: the chunked
-    head loss computes them in its forward, nanotrain.head_loss) and the `top` ops by self time with their share
+    head loss computes them in its forward, nanotrain.kernels) and the `top` ops by self time with their share
     of all ops' self time and calls per step.
     """
     events = prof.key_averages()

@@ -16,10 +16,11 @@ import time
 
 import torch
 
+from nanotrain.checkpoint import load_model
 from nanotrain.common import UserError, atomic_write_json, autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.conversations import load_jsonl
-from nanotrain.engine import Engine, load_model
+from nanotrain.engine import Engine
 from nanotrain.report import write_section
 from nanotrain.tasks import grade, load_task
 

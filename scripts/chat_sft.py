@@ -27,14 +27,13 @@ import time
 
 import torch
 
-from nanotrain.auto_batch_size import discover_device_batch_size, sft_builder
+from nanotrain.autobatch.builders import sft_builder
+from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.checkpoint import (
     check_resume,
     find_run_dir,
-    get_run_dir,
     load_latest,
     load_optimizers,
-    lock_run_dir,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -55,25 +54,25 @@ from nanotrain.configurator import configure
 from nanotrain.conversations import load_task_mixture
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.sft_data import (
     LONG_POLICIES,
     ConversationSampler,
-    backward_step,
     evaluate_loss,
     fit_conversation,
+    global_target_count,
     lpt_pack,
     micro_batch,
+    token_loss_scale,
 )
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
     check_finite,
-    finish_run,
+    forward_backward,
     lr_multiplier,
-    open_run_log,
     optimizer_step,
     precision,
     resolve_compile,
-    step_log_line,
 )
 
 # ----------------------------------------------------------------------------- settings
@@ -294,9 +293,7 @@ def main():
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
-        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]
-        if step > 0 and (last_step or (save_every > 0 and step % save_every == 0)) and not (
-                resumed_here and not last_step):
+        if save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True "
@@ -324,12 +321,16 @@ def main():
             break
 
         # one optimizer step: this rank's micro-batches of the next examples_per_step conversations; the loss is the
-        # mean over every trained token of the step on all ranks (backward_step scales each micro-batch's sum)
+        # mean over every trained token of the step on all ranks (forward_backward scales each micro-batch's sum)
         synchronize(device)
         t0 = time.time()
         examples = [train[i] for i in sampler.take(examples_per_step)]
         batches = batches_of(examples)
-        scaled_loss, count = backward_step(model, batches, autocast_ctx)
+        count = global_target_count(sum(b["targets"] for b in batches), device)  # before any backward
+        scaled_loss = torch.zeros((), device=device)
+        if count > 0:  # each micro-batch's summed loss x world size / count: DDP's mean is the global token mean
+            scaled_loss = forward_backward(model, batches, autocast_ctx,
+                                           loss_scale=token_loss_scale(count, world_size if is_ddp else 1))
         train_loss = all_reduce_scalar(scaled_loss, "mean", device)  # the global token mean
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         # clip, set the scheduled lr, update, zero the gradients (no update for a step without a trained token)

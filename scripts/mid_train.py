@@ -20,14 +20,14 @@ import time
 
 import torch
 
-from nanotrain.auto_batch_size import OOMStepDown, discover_device_batch_size, gpt_builder
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.search import discover_device_batch_size
+from nanotrain.autobatch.stepdown import OOMStepDown
 from nanotrain.checkpoint import (
     check_resume,
     find_run_dir,
-    get_run_dir,
     load_latest,
     load_optimizers,
-    lock_run_dir,
     resume_checkpoint,
     save_checkpoint,
 )
@@ -50,19 +50,18 @@ from nanotrain.dataloader import ConversationTokenStream
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
     check_finite,
-    finish_run,
     forward_backward,
     grad_accum_steps_for,
     lr_multiplier,
+    micro_batches,
     muon_momentum,
-    open_run_log,
     optimizer_step,
     precision,
     resolve_compile,
-    step_log_line,
 )
 
 # ----------------------------------------------------------------------------- settings
@@ -124,19 +123,19 @@ def main():
     token_bytes = get_token_bytes(device)
 
     # the starting point: this run's checkpoint (resume) or the newest base checkpoint (model config and weights)
-    base_dir = find_run_dir("base", base_run_name)
-    if base_dir is None:
+    source_dir = find_run_dir("base", base_run_name)
+    if source_dir is None:
         where = f" for --base_run_name={base_run_name}" if base_run_name else ""
         raise UserError(f"no base checkpoint found{where}; train one first (python scripts/base_train.py)")
-    run_dir = get_run_dir("mid", run_name or os.path.basename(base_dir))
+    run_dir = get_run_dir("mid", run_name or os.path.basename(source_dir))
     lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
     ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     base = None
     if ckpt is None:
-        base = load_latest(base_dir, device, rank, load_optimizer=False,
+        base = load_latest(source_dir, device, rank, load_optimizer=False,
                            meta_keys=("model_config", "max_seq_len", "total_batch_size", "device_batch_size"))
         if base is None:
-            raise UserError(f"{base_dir} has no readable checkpoint; train one first (python scripts/base_train.py)")
+            raise UserError(f"{source_dir} has no readable checkpoint; train one first (python scripts/base_train.py)")
     start = ckpt if ckpt is not None else base
     max_seq_len = config["max_seq_len"] or start["meta"]["max_seq_len"]
     total_batch_size = config["total_batch_size"] or start["meta"]["total_batch_size"]
@@ -167,7 +166,7 @@ def main():
     if ckpt is not None:
         check_resume(ckpt, run_dir, settings, RESUME_KEYS, world_size)
     grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
-    rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches
+    rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches: fixed by total_batch_size
 
     # model: the base weights (or this run's checkpoint) in fp32, max_seq_len possibly changed (rotary only)
     seed_everything(seed)
@@ -206,8 +205,13 @@ def main():
                                            device))
     total_steps = num_iterations if num_iterations is not None else epoch_steps
     val_tokens_min = all_reduce_scalar(sum(len(t) for t in val_tokens), "min", device)
-    eval_steps = max(1, min(eval_tokens // (device_batch_size * max_seq_len * world_size),
-                            val_tokens_min // (device_batch_size * row_tokens)))
+
+    def batch_sizes(device_batch_size):  # everything that depends on the device batch size, here and after a step-down
+        grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+        eval_steps = max(1, min(eval_tokens // (device_batch_size * max_seq_len * world_size),  # always eval_tokens,
+                                val_tokens_min // (device_batch_size * row_tokens)))  # at most one pass
+        return device_batch_size, grad_accum_steps, eval_steps
+    device_batch_size, grad_accum_steps, eval_steps = batch_sizes(device_batch_size)
 
     def val_batches():
         return ConversationTokenStream(val_tokens, device_batch_size, max_seq_len, device, shuffle=False)
@@ -247,9 +251,7 @@ def main():
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
-        resumed_here = ckpt is not None and step == ckpt["meta"]["step"]
-        if step > 0 and (last_step or (save_every > 0 and step % save_every == 0)) and not (
-                resumed_here and not last_step):
+        if save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True "
@@ -283,9 +285,10 @@ def main():
         x, y = train_stream.next_batch(rows_per_step)
         if step_down is not None:  # an out-of-memory steps every rank down to a smaller size and redoes the step
             loss = step_down.forward_backward(model, x, y, autocast_ctx, step)
-            device_batch_size = step_down.device_batch_size
+            if step_down.device_batch_size != device_batch_size:
+                device_batch_size, grad_accum_steps, eval_steps = batch_sizes(step_down.device_batch_size)
         else:
-            loss = forward_backward(model, x, y, device_batch_size, autocast_ctx)
+            loss = forward_backward(model, micro_batches(x, y, device_batch_size), autocast_ctx)
         train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         check_finite(train_loss, step, run_dir)

@@ -9,9 +9,9 @@ import sys
 
 import torch
 
+from nanotrain.checkpoint import load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
-from nanotrain.engine import load_model
 
 stage = "base"  # which training stage's checkpoints: base | mid | sft
 run_name = ""  # run name; "" picks the run with the newest checkpoint

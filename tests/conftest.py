@@ -6,26 +6,15 @@ and per-test base directories that reuse them, so no test writes into ~/.cache/n
 import json
 import os
 import pathlib
-import shutil
-import subprocess
-import sys
 
 import pytest
-import torch
-
-from nanotrain.gpt import GPT, GPTConfig
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_VOCAB = 512  # tokenizer vocab (including the 9 special tokens) of the test runs
-# the tiny base_train configuration the smoke tests use (seconds on 2 cores)
-TINY_TRAIN = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512",
-              "--eval_tokens=2048", "--eval_every=-1", "--sample_every=-1", "--save_every=-1", "--keep_last=0"]
+from helpers import TINY_VOCAB
 
 
 @pytest.fixture(scope="session")
 def shared_base_dir(tmp_path_factory):
     """A base dir with data/builtin and a TINY_VOCAB tokenizer trained on 300k characters of it. With
-    NANOTRAIN_TEST_SHARED_BASE set (scripts/mutation_score.py sets it: one pytest session per mutant), it is built
+    NANOTRAIN_TEST_SHARED_BASE set (dev/mutation_score.py sets it: one pytest session per mutant), it is built
     there once and reused by later sessions."""
     from nanotrain.dataset import iter_documents, resolve_data_files
     from nanotrain.tokenizer import Tokenizer
@@ -68,21 +57,6 @@ def base_dir(shared_base_dir, tmp_path, monkeypatch):
     return base
 
 
-def run_script(script, *args, base_dir, nproc=1, timeout=300, env=None):
-    """
-    Runs scripts/<script> through the command line (python, or torchrun --standalone with nproc > 1 on gloo)
-    with NANOTRAIN_BASE_DIR=base_dir. Returns the CompletedProcess (stdout and stderr as text).
-    """
-    path = os.path.join(REPO, "scripts", script)
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path]
-    else:
-        cmd = [sys.executable, path]
-    full_env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    full_env.update(env or {})
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
-
-
 @pytest.fixture
 def one_rank_mesh(tmp_path):
     """A gloo process group of one rank (this process, so in-process code takes its torch.distributed paths) and its
@@ -118,29 +92,3 @@ def four_docs(tmp_path):
 def tiny_tokenizer(base_dir):
     from nanotrain.tokenizer import get_tokenizer
     return get_tokenizer()
-
-
-def copy_run(src_base, dst_base, stage, run):
-    shutil.copytree(os.path.join(src_base, stage, run), os.path.join(dst_base, stage, run))
-
-
-def tiny_model(seed=0):
-    """A 2-layer GPT (vocab 64, 16 positions) with every weight nonzero, seeded: the numeric tests' model."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
-    model.init_weights()
-    with torch.no_grad():  # give the zero-initialised projections some weight so every path matters
-        for name, p in model.named_parameters():
-            if "c_proj" in name or "lm_head" in name:
-                p.normal_(0, 0.05)
-    return model
-
-
-def grads(model):
-    """All parameter gradients as one flat tensor."""
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
-def rel(a, b):
-    """Relative distance |a - b| / |b| (float)."""
-    return ((a - b).norm() / b.norm()).item()

@@ -1,6 +1,6 @@
 """
 Activation checkpointing (GPT.activation_checkpointing, --activation_checkpointing=True): same loss and gradients,
-less memory (measured with the fake-tensor MemTracker probe of nanotrain.auto_batch_size), a larger discovered
+less memory (measured with the fake-tensor MemTracker probe of nanotrain.autobatch), a larger discovered
 device_batch_size under the same budget, a cache entry of its own, and the same losses in base_train.
 """
 
@@ -10,11 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, run_script
+from helpers import TINY_TRAIN, run_script
 
-from nanotrain.auto_batch_size import discover_device_batch_size, gpt_builder
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.probe import GiB, measure_fake_peak
+from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
-from nanotrain.memory import GiB, measure_fake_peak
 
 TINY = GPTConfig(max_seq_len=32, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, model_dim=32, smear=True, backout=True,
                  x0_lambdas=True)  # every model option on

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY_TRAIN, run_script
+from helpers import REPO, TINY_TRAIN, run_script
 
 pytestmark = pytest.mark.smoke
 AUTO = [a for a in TINY_TRAIN if not a.startswith("--device_batch_size")] + [

@@ -1,5 +1,5 @@
 """
-Tests for nanotrain/auto_batch_size.py and nanotrain/memory.py on CPU: the search on a simulated device that raises
+Tests for nanotrain/autobatch/ on CPU: the search on a simulated device that raises
 real torch.OutOfMemoryError, the candidate arithmetic, the byte margin, the OOM message table, the fake-tensor
 measurement (affine in B, optimizer state counted, equal to a real CPU step), probe hygiene, the cache, the logging
 contract, the brute-force acceptance check, the out-of-memory step-down of training (OOMStepDown), plan mode
@@ -19,25 +19,20 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import grads, rel, tiny_model
+from helpers import grads, rel, tiny_model
 
-import nanotrain.auto_batch_size as ab
-import nanotrain.memory as memory
-from nanotrain.auto_batch_size import (
-    OOMStepDown,
-    cache_key,
-    cache_path,
-    candidate_batch_sizes,
-    discover_device_batch_size,
-    drop_cached,
-    gpt_builder,
-    next_smaller_candidate,
-    search_batch_size,
-)
+import nanotrain.autobatch.builders as ab_builders
+import nanotrain.autobatch.cache as ab_cache
+import nanotrain.autobatch.probe as ab_probe
+import nanotrain.autobatch.search as ab_search
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.cache import cache_key, cache_path, drop_cached
+from nanotrain.autobatch.probe import measure_fake_peak
+from nanotrain.autobatch.search import candidate_batch_sizes, discover_device_batch_size, search_batch_size
+from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
 from nanotrain.common import UserError
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.memory import OOM_MESSAGES, is_oom_error, measure_fake_peak
-from nanotrain.training import forward_backward
+from nanotrain.training import OOM_MESSAGES, forward_backward, is_oom_error, micro_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = os.path.join(REPO, "scripts", "auto_batch_plan.py")
@@ -116,7 +111,7 @@ def tiny_peaks(sizes=(1, 2, 4, 8, 16, 32, 64)):
     return {b: measure_fake_peak(build_tiny, b, max_seq_len=16, vocab_size=64) for b in sizes}
 
 
-def budget_between(peak_fit, peak_nofit, margin=ab.DEFAULT_MARGIN):
+def budget_between(peak_fit, peak_nofit, margin=ab_search.DEFAULT_MARGIN):
     """A device_memory_gb whose margin * budget lies between the two peaks."""
     return (peak_fit + peak_nofit) / 2 / margin / GiB
 
@@ -361,8 +356,8 @@ def test_torch_out_of_memory_error_is_oom_whatever_its_message():
 def test_fake_peak_is_affine_in_batch_size_and_counts_the_optimizer_state():
     """Catches: a measurement that ignores activations (flat in B) or double counts them (superlinear), and - the
     counter-example - a probe without the optimizer step, which misses the lazily created AdamW/Muon state: its peak
-    is lower by (optimizer state - gradients), the difference between the 3rd micro-step's peak (state alive) and
-    the 2nd's (gradients alive)."""
+    is lower by (optimizer state - gradients - the first micro-batch's tokens), the difference between the 3rd
+    micro-step's peak (state alive) and the 2nd's (gradients and both micro-batches' tokens alive)."""
     build = gpt_builder(TINY_GPT)
     peaks = {b: measure_fake_peak(build, b, max_seq_len=32, vocab_size=256) for b in (1, 2, 4)}
     slope = peaks[2] - peaks[1]
@@ -371,12 +366,15 @@ def test_fake_peak_is_affine_in_batch_size_and_counts_the_optimizer_state():
     no_step = measure_fake_peak(build, 4, max_seq_len=32, vocab_size=256, optimizer_step=False)
     model, optimizers = build("cpu")
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    memory.probe_step(model, optimizers, 1, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0))
+    ab_probe.probe_step(model, optimizers, 1, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0))
     state_bytes = sum(t.numel() * t.element_size() for opt in optimizers for s in opt.state.values()
                       for t in s.values() if torch.is_tensor(t))
     assert state_bytes > grad_bytes  # AdamW keeps 2 moments, Muon 1 buffer
     assert no_step < peaks[4]
-    assert abs((peaks[4] - no_step) - (state_bytes - grad_bytes)) <= 1024  # AdamW's scalar step tensors
+    # the step-less probe peaks in its 2nd micro-step, where the step's 1st micro-batch of tokens (inputs and
+    # targets, 4 x 32 int64 each: 2,048 bytes) is still held, as a training step holds all of its rows
+    token_bytes = 2 * 4 * 32 * 8
+    assert abs((peaks[4] - no_step) - (state_bytes - grad_bytes - token_bytes)) <= 1024  # AdamW's scalar step tensors
 
 
 @pytest.mark.unit
@@ -386,7 +384,7 @@ def test_fake_peak_equals_a_real_cpu_step_and_is_plausible():
     state + one fp32 logits tensor (B, T, V). The process RSS comparison is test_rss_of_a_real_step (slow)."""
     build = gpt_builder(TINY_GPT)
     fake = measure_fake_peak(build, 4, max_seq_len=32, vocab_size=256)
-    probe = memory.RealProbe(build, "cpu", 32, 256, None, 1, log=lambda *a: None)
+    probe = ab_probe.RealProbe(build, "cpu", 32, 256, None, 1, log=lambda *a: None)
     with probe:
         real, oom, thrash = probe.measure(4)
         param_bytes = sum(p.numel() * 4 for p in probe.model.parameters())
@@ -416,15 +414,15 @@ def test_peak_tracker_matches_stock_memtracker():
     from torch.distributed._tools.mem_tracker import MemTracker
     build = gpt_builder(TINY_GPT)
     results = []
-    for make in (MemTracker, memory._peak_tracker):
+    for make in (MemTracker, ab_probe._peak_tracker):
         with FakeTensorMode():
             model, optimizers = build("cpu")
             tracker = make()
             tracker.track_external(model, *optimizers)
             with tracker:
-                memory.probe_step(model, optimizers, 4, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0),
+                ab_probe.probe_step(model, optimizers, 4, 32, 256, device="cpu", generator=torch.Generator().manual_seed(0),
                               on_micro_step=tracker.reset_mod_stats)
-        results.append(memory._tracker_peak_bytes(tracker))
+        results.append(ab_probe._tracker_peak_bytes(tracker))
     assert results[0] == results[1] > 0
 
 
@@ -438,8 +436,8 @@ def test_rss_of_a_real_step_is_within_the_margin_of_the_fake_estimate():
     code = """
 import os, torch
 from nanotrain.gpt import GPTConfig
-from nanotrain.auto_batch_size import gpt_builder
-from nanotrain.memory import measure_fake_peak, probe_step
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.probe import measure_fake_peak, probe_step
 torch.set_num_threads(1)
 build = gpt_builder(GPTConfig(max_seq_len=128, vocab_size=8192, n_layer=2, n_head=1, n_kv_head=1, model_dim=128))
 fake = measure_fake_peak(build, 16, max_seq_len=128, vocab_size=8192)
@@ -738,9 +736,9 @@ def test_torch_version_algorithm_version_and_allocator_config_are_in_the_key(mon
     assert cache_path(cache_key(**KEY_ARGS)) != base
     monkeypatch.undo()
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
-    monkeypatch.setattr(ab, "ALGORITHM_VERSION", ab.ALGORITHM_VERSION + 1)
+    monkeypatch.setattr(ab_cache, "ALGORITHM_VERSION", ab_cache.ALGORITHM_VERSION + 1)
     assert cache_path(cache_key(**KEY_ARGS)) != base
-    monkeypatch.setattr(ab, "ALGORITHM_VERSION", ab.ALGORITHM_VERSION - 1)
+    monkeypatch.setattr(ab_cache, "ALGORITHM_VERSION", ab_cache.ALGORITHM_VERSION - 1)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert cache_path(cache_key(**KEY_ARGS)) != base
     assert cache_path(cache_key(**KEY_ARGS)).startswith(os.path.join(str(tmp_path), "auto_batch_cache", ""))
@@ -756,10 +754,10 @@ def test_code_fingerprint_follows_the_model_source(tmp_path, monkeypatch):
     mod.write_text("def build(device):\n    return None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     build = importlib.import_module("ab_fingerprint_model").build
-    before = ab.code_fingerprint(build)
-    assert ab.code_fingerprint(build) == before
+    before = ab_cache.code_fingerprint(build)
+    assert ab_cache.code_fingerprint(build) == before
     mod.write_text("def build(device):\n    return None  # edited\n")
-    assert ab.code_fingerprint(build) != before
+    assert ab_cache.code_fingerprint(build) != before
     assert gpt_builder(TINY_GPT).key_fields["gpt_config"]["n_layer"] == 1
 
 
@@ -777,9 +775,9 @@ def test_code_fingerprint_covers_the_whole_top_level_package_of_a_nested_builder
     layers.write_text("WIDTH = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     build = importlib.import_module("ab_fp_nested.sub.builder").build
-    before = ab.code_fingerprint(build)
+    before = ab_cache.code_fingerprint(build)
     layers.write_text("WIDTH = 2\n")
-    assert ab.code_fingerprint(build) != before
+    assert ab_cache.code_fingerprint(build) != before
 
 
 @pytest.mark.unit
@@ -913,8 +911,8 @@ def test_check_probes_judges_by_the_deciding_phase():
                    probe(16, "fits", "compiled"), probe(32, "over budget", "compiled")]
     compiled_down = [probe(8, "fits", "search"), probe(16, "over budget", "search"), probe(8, "OOM", "compiled"),
                      probe(4, "fits", "compiled")]
-    ab.check_probes(16, compiled_up, limit_bytes=100)
-    ab.check_probes(4, compiled_down, limit_bytes=100)
+    ab_cache.check_probes(16, compiled_up, limit_bytes=100)
+    ab_cache.check_probes(4, compiled_down, limit_bytes=100)
     for batch_size, probes, limit, why in [
         (8, compiled_up, 100, "device_batch_size=8 has no compiled probe that fits"),
         (8, compiled_down, 100, "device_batch_size=8 has no compiled probe that fits"),
@@ -923,7 +921,7 @@ def test_check_probes_judges_by_the_deciding_phase():
         (8, [probe(4, "fits", "search"), probe(8, "fits", "cache check")], 100, "8 has no search probe that fits"),
     ]:
         with pytest.raises(ValueError, match=why):
-            ab.check_probes(batch_size, probes, limit_bytes=limit)
+            ab_cache.check_probes(batch_size, probes, limit_bytes=limit)
 
 
 @pytest.mark.unit
@@ -971,16 +969,16 @@ def test_interrupted_cache_write_keeps_the_old_entry(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     key = cache_key(**KEY_ARGS)
     probes = [{"batch_size": 4, "peak_bytes": GiB, "result": "fits", "seconds": 1.0, "phase": "search"}]
-    path = ab.write_cached(key, 4, probes)
+    path = ab_cache.write_cached(key, 4, probes)
 
     def crash(src, dst):
         raise OSError("simulated crash before the rename")
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError):
-        ab.write_cached(key, 8, [])
+        ab_cache.write_cached(key, 8, [])
     monkeypatch.undo()
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
-    assert ab.read_cached(key, limit_bytes=2 * GiB) == 4 and json.load(open(path))["device_batch_size"] == 4
+    assert ab_cache.read_cached(key, limit_bytes=2 * GiB) == 4 and json.load(open(path))["device_batch_size"] == 4
 
 
 # ----------------------------------------------------------------------------- compiled verification (pure logic)
@@ -1003,9 +1001,9 @@ def test_compiled_verification_steps_down_or_up_within_three_probes(limit, expec
     cands = divisors(64)
     if expected is None:
         with pytest.raises(UserError, match="--compile=False"):
-            ab._refine_compiled(fits_compiled, cands, 8)
+            ab_search._refine_compiled(fits_compiled, cands, 8)
     else:
-        assert ab._refine_compiled(fits_compiled, cands, 8) == expected
+        assert ab_search._refine_compiled(fits_compiled, cands, 8) == expected
     assert seen == calls and len(set(seen)) == len(seen)
 
 
@@ -1036,7 +1034,7 @@ def test_oom_step_down_keeps_tokens_and_loss(monkeypatch, tmp_path):
     torch.manual_seed(2)
     x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
     ref_model = tiny_model()
-    ref_loss = forward_backward(ref_model, x, y, 2, nullcontext())
+    ref_loss = forward_backward(ref_model, micro_batches(x, y, 2), nullcontext())
     model = OOMAbove(tiny_model(), limit=2)
     logs = []
     step_down = OOMStepDown({"candidates": [1, 2, 4, 8], "cache_key": {}}, None, 8, log=logs.append)
@@ -1048,7 +1046,7 @@ def test_oom_step_down_keeps_tokens_and_loss(monkeypatch, tmp_path):
     # counter-example: without zeroing the gradients of the failed attempt the result differs
     bad = OOMAbove(tiny_model(), limit=4)
     bad.model(x[:4], y[:4]).backward()  # a partial micro-step's gradient left behind
-    forward_backward(bad.model, x, y, 4, nullcontext())
+    forward_backward(bad.model, micro_batches(x, y, 4), nullcontext())
     assert rel(grads(bad.model), grads(ref_model)) > 1e-3
 
 
@@ -1127,25 +1125,25 @@ MEMINFO = "MemTotal:       16384000 kB\nMemFree:          524288 kB\nMemAvailabl
 def test_default_cpu_budget_is_half_of_memavailable_per_local_rank(monkeypatch, avail_kb, ranks, want):
     """
     The default CPU budget read from a literal /proc/meminfo (the expected bytes worked out by hand in the table, not
-    from nanotrain.memory's own MemAvailable reader): half of MemAvailable per local rank, rounded down to whole GiB
+    from nanotrain.autobatch.probe's own MemAvailable reader): half of MemAvailable per local rank, rounded down to whole GiB
     (256 MiB steps below 1 GiB, at least 256 MiB). Fails on a reader that takes MemFree (512 MiB here: every budget
     becomes 256 MiB) or forgets that /proc/meminfo counts kB, a fraction other than 1/2, a share not divided by the
     local ranks, and rounding up. On the real machine: a positive multiple of 256 MiB and at most a quarter of the
     physical memory (sysconf, not MemAvailable) with 2 local ranks.
     """
     import io
-    monkeypatch.setattr(memory, "open", lambda path, *a, **k: io.StringIO(MEMINFO.format(avail_kb))
+    monkeypatch.setattr(ab_probe, "open", lambda path, *a, **k: io.StringIO(MEMINFO.format(avail_kb))
                         if path == "/proc/meminfo" else open(path, *a, **k), raising=False)
-    budget, desc = memory.device_memory_budget("cpu", None, local_world_size=ranks)
+    budget, desc = ab_probe.device_memory_budget("cpu", None, local_world_size=ranks)
     assert budget == want
     assert desc["type"] == "cpu" and "MemAvailable" in desc["source"]
     monkeypatch.undo()
-    budget, _ = memory.device_memory_budget("cpu", None, local_world_size=2)
+    budget, _ = ab_probe.device_memory_budget("cpu", None, local_world_size=2)
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert 0 < budget <= 0.25 * physical and budget % (256 * 2**20) == 0
-    assert memory.device_memory_budget("cpu", 1.5)[0] == 1_610_612_736  # 1.5 x 1,073,741,824
+    assert ab_probe.device_memory_budget("cpu", 1.5)[0] == 1_610_612_736  # 1.5 x 1,073,741,824
     with pytest.raises(UserError, match="--device_memory_gb=0"):
-        memory.device_memory_budget("cpu", 0)
+        ab_probe.device_memory_budget("cpu", 0)
 
 
 @pytest.mark.smoke
@@ -1224,7 +1222,7 @@ def test_found_size_runs_20_steps_under_the_margin(monkeypatch, tmp_path):
         torch.cuda.reset_peak_memory_stats(dev)
         g = torch.Generator(device=dev).manual_seed(0)
         for _ in range(20):
-            memory.probe_step(model, optimizers, batch_size, 512, 8192, device=dev, amp_dtype=torch.bfloat16, generator=g)
+            ab_probe.probe_step(model, optimizers, batch_size, 512, 8192, device=dev, amp_dtype=torch.bfloat16, generator=g)
         torch.cuda.synchronize(dev)
         assert torch.cuda.max_memory_reserved(dev) <= margin * gb * GiB
     finally:
@@ -1264,13 +1262,13 @@ def test_discovery_checks_its_arguments_and_keys_the_cache_on_every_setting(monk
     assert set(record) == {"device_batch_size", "grad_accum_steps", "candidates", "budget_bytes", "limit_bytes",
                            "margin", "device", "measurement", "probes", "cache_hit", "cache_key", "cache_path",
                            "seconds", "algorithm_version"}  # the documented record, nothing else
-    assert record["cache_key"]["code"] == ab.code_fingerprint(build) and record["cache_key"]["code"]
+    assert record["cache_key"]["code"] == ab_cache.code_fingerprint(build) and record["cache_key"]["code"]
     others = [key(max_seq_len=32), key(vocab_size=128), key(amp_dtype=torch.bfloat16), key(compile=True),
               key(world_size=2), key(margin=1.0), key(key_fields={"model": "other"})]
     build.key_fields = {"width": 2}
     others.append(key())
     assert len({k0, *others}) == len(others) + 1, others
-    monkeypatch.setattr(memory, "_mem_available_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr(ab_probe, "_mem_available_bytes", lambda: 8 * GiB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     record = discover_device_batch_size(build, **{**base, "device_memory_gb": None})[1]
     assert record["budget_bytes"] == 2 * GiB
@@ -1312,7 +1310,7 @@ def test_step_down_under_a_process_group(one_rank_mesh, monkeypatch, tmp_path):
     step_down = OOMStepDown(record, path, 8, log=lambda *a: None)
     loss = step_down.forward_backward(ddp, x, y, nullcontext(), step=2)
     assert ddp.module.calls == [8, 4, 4] and syncs == [False, False, False]
-    ref = forward_backward(plain, x, y, 4, nullcontext())
+    ref = forward_backward(plain, micro_batches(x, y, 4), nullcontext())
     assert abs(loss.item() - ref.item()) < 1e-6 and rel(grads(model), grads(plain)) < 1e-6
     assert step_down.device_batch_size == 4 and json.load(open(path))["step_downs"] == [[2, 8, 4]]
     assert not os.path.exists(record["cache_path"])
@@ -1327,10 +1325,10 @@ def test_sft_probe_model_trains_the_packed_or_the_padded_layout():
     would change), the rows or targets reshaped to another shape, packing missing from the cache key."""
     for packing in (True, False):
         torch.manual_seed(0)
-        build = ab.sft_builder(TINY_GPT, packing)
+        build = ab_builders.sft_builder(TINY_GPT, packing)
         assert build.key_fields["packing"] is packing
         model, optimizers = build("cpu")
-        assert isinstance(model, ab.PackedRows) and len(optimizers) == 2
+        assert isinstance(model, ab_builders.PackedRows) and len(optimizers) == 2
         with torch.no_grad():  # the head starts at zero (every row's loss would be log V): give the weights values
             for p in model.parameters():
                 p.normal_(0, 0.3)
@@ -1400,13 +1398,13 @@ def test_code_fingerprint_covers_the_builders_package_and_not_where_it_runs(tmp_
     (pkg / "builders.py").write_text("from .model import WIDTH\n\ndef build(device):\n    return WIDTH\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     build = importlib.import_module("ab_fp_pkg.builders").build
-    before = ab.code_fingerprint(build)
+    before = ab_cache.code_fingerprint(build)
     monkeypatch.chdir(pkg)
-    assert ab.code_fingerprint(build) == before
+    assert ab_cache.code_fingerprint(build) == before
     monkeypatch.chdir(REPO)
-    assert ab.code_fingerprint(functools.partial(build)) == ab.code_fingerprint(functools.partial(len))
+    assert ab_cache.code_fingerprint(functools.partial(build)) == ab_cache.code_fingerprint(functools.partial(len))
     (pkg / "model.py").write_text("WIDTH = 8\n")
-    assert ab.code_fingerprint(build) != before
+    assert ab_cache.code_fingerprint(build) != before
 
 
 @pytest.mark.unit

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanotrain.auto_batch_size import discover_device_batch_size, gpt_builder
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.probe import GiB, measure_fake_peak
+from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.common import exit_process
 from nanotrain.gpt import GPTConfig
-from nanotrain.memory import GiB, measure_fake_peak
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 WORLD = 2

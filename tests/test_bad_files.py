@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, run_script
+from helpers import TINY_TRAIN, run_script
 
 pytestmark = pytest.mark.smoke
 

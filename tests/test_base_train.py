@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_TRAIN, run_script
+from helpers import REPO, TINY_TRAIN, run_script
 
 pytestmark = pytest.mark.smoke
 
@@ -122,3 +122,64 @@ def test_help_by_path_under_torchrun():
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--total_batch_size" in r.stdout and "tokens per optimizer step" in r.stdout
+
+
+# A driver that runs a stage script in this process with an out-of-memory error injected into the training forward
+# of micro-batches over 2 rows (from the script's second such forward on, not in the fake-tensor probes) and that
+# records the target tokens each validation reads, one JSON line per evaluation in $STEPDOWN_LOG.
+STEPDOWN_DRIVER = r"""
+import json, os, runpy, sys
+import torch
+from torch._subclasses.fake_tensor import is_fake
+import nanotrain.gpt as gpt
+import nanotrain.loss_eval as loss_eval
+
+real_eval, real_forward, calls = loss_eval.evaluate_bpb, gpt.GPT.forward, [0]
+
+def counting_eval(model, batches, steps, *args, **kwargs):
+    tokens = [0]
+    def counted():
+        for x, y in batches:
+            tokens[0] += y.numel()
+            yield x, y
+    out = real_eval(model, counted(), steps, *args, **kwargs)
+    with open(os.environ["STEPDOWN_LOG"], "a") as f:
+        f.write(json.dumps({"tokens": tokens[0]}) + "\n")
+    return out
+
+def forward(self, idx, *args, **kwargs):
+    if self.training and not is_fake(idx) and idx.size(0) > 2:
+        calls[0] += 1
+        if calls[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (injected by the test)")
+    return real_forward(self, idx, *args, **kwargs)
+
+loss_eval.evaluate_bpb, gpt.GPT.forward = counting_eval, forward
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_validation_covers_eval_tokens_after_a_step_down(base_dir, tmp_path):
+    """
+    base_train with --auto_batch_size=True discovers device_batch_size 8 (8 rows a step: candidates 1, 2, 4, 8); its
+    second step runs out of memory (injected) and steps down 8 -> 4 -> 2. Every validation, before and after the
+    step-down, covers the same eval_tokens = 2048 target tokens (4 batches of 8 rows x 64, then 16 of 2 x 64).
+    Catches the evaluation's batch count left at the discovered size while its rows shrink (512 tokens after the
+    step-down: validations not comparable with the earlier ones).
+    """
+    log = tmp_path / "evals.jsonl"
+    driver = tmp_path / "driver.py"
+    driver.write_text(STEPDOWN_DRIVER)
+    flags = [a for a in TINY_TRAIN if not a.startswith(("--device_batch_size", "--eval_every"))]
+    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", STEPDOWN_LOG=str(log))
+    r = subprocess.run([sys.executable, str(driver), os.path.join(REPO, "scripts", "base_train.py"), *flags,
+                        "--auto_batch_size=True", "--device_memory_gb=4", "--batch_size_cache=False",
+                        "--num_iterations=4", "--eval_every=2", "--run_name=sd"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "Auto-discovery found device_batch_size=8" in r.stdout
+    assert "stepping down to 4" in r.stdout and "stepping down to 2" in r.stdout
+    record = json.load(open(os.path.join(base_dir, "base", "sd", "auto_batch_size.json")))
+    assert record["step_downs"] == [[1, 8, 2]]
+    assert [json.loads(line)["tokens"] for line in log.read_text().splitlines()] == [2048, 2048, 2048]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_script
+from helpers import run_script
 
 from nanotrain.muon import ns_dtype_for
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY_TRAIN, run_script
+from helpers import REPO, TINY_TRAIN, run_script
 
 pytestmark = pytest.mark.smoke
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_TRAIN, run_script
+from helpers import REPO, TINY_TRAIN, run_script
 
 pytestmark = pytest.mark.smoke
 
@@ -94,8 +94,8 @@ def test_mid_then_sft_train_reload_and_resume(chat_base, tmp_path, monkeypatch):
 
     # the checkpoint reloads and gives the logged val loss (same data, same token weighting)
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(chat_base))
+    from nanotrain.checkpoint import load_model
     from nanotrain.conversations import load_task_mixture
-    from nanotrain.engine import load_model
     from nanotrain.sft_data import evaluate_loss, fit_conversation, lpt_pack, micro_batch
     model, tokenizer, path, meta = load_model("sft", "s1")
     assert path.endswith("step_000016") and meta["config"]["run_name"] == "s1"

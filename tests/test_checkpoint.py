@@ -188,10 +188,10 @@ def test_lock_run_dir_refuses_a_second_process_until_the_first_exits(tmp_path):
     import subprocess
     import sys
 
-    from nanotrain.checkpoint import lock_run_dir
     from nanotrain.common import UserError
+    from nanotrain.run import lock_run_dir
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from nanotrain.checkpoint import lock_run_dir; lock_run_dir(sys.argv[1], 'cpu'); "
+        "import sys, time; from nanotrain.run import lock_run_dir; lock_run_dir(sys.argv[1], 'cpu'); "
         "print('locked', flush=True); time.sleep(60)"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -456,7 +456,7 @@ def test_metrics_rows_that_are_not_objects_with_an_int_step_stop_the_resume_in_o
     old code raised TypeError (a list) or KeyError: 'step'.
     """
     from nanotrain.common import UserError
-    from nanotrain.training import MetricsLog
+    from nanotrain.run import MetricsLog
     good = [{"step": 1, "loss": 5.0, "dt": 0.1}, {"step": 2, "loss": 4.0, "dt": 0.1}, {"step": 3, "loss": 3.0}]
     path = tmp_path / "metrics.jsonl"
     text = "\n".join([json.dumps(good[0]), json.dumps(good[1]), bad, json.dumps(good[2])]) + "\n"
@@ -472,7 +472,7 @@ def test_metrics_rows_that_are_not_objects_with_an_int_step_stop_the_resume_in_o
 
 def test_metrics_rows_all_good_give_no_warning_and_a_last_row_without_newline_stays_a_row(tmp_path, capsys):
     """A clean log is resumed silently; a last complete row without its newline does not merge with the next row."""
-    from nanotrain.training import MetricsLog
+    from nanotrain.run import MetricsLog
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 5.0, "dt": 0.1}\n{"step": 2, "loss": 4.0, "dt": 0.1}')
     log = MetricsLog(str(tmp_path), resume_step=3)

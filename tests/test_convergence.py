@@ -5,16 +5,20 @@ nanotrain's own training pieces, fp32 on one CPU thread.
 """
 
 import json
+import os
+import sys
 import time
 from contextlib import nullcontext
 
 import pytest
 import torch
-from record_loss_curve import COMMAND, CONFIG, PATH, SETTINGS, train_curve
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
+from record_loss_curve import COMMAND, CONFIG, PATH, SETTINGS, train_curve  # noqa: E402 (dev/ on the path first)
 
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.loss_eval import evaluate_bpb
-from nanotrain.training import forward_backward, lr_multiplier, muon_momentum, optimizer_step
+from nanotrain.training import forward_backward, lr_multiplier, micro_batches, muon_momentum, optimizer_step
 
 pytestmark = pytest.mark.unit
 
@@ -56,7 +60,7 @@ def memorise(n_seq, micro_batch, steps=300, broken=None):
                 (mb / (n_seq // micro_batch)).backward()
                 loss += mb.item() / (n_seq // micro_batch)
         else:
-            loss = forward_backward(model, x, y, micro_batch, nullcontext()).item()
+            loss = forward_backward(model, micro_batches(x, y, micro_batch), nullcontext()).item()
         losses.append(loss)
         if loss < 0.05:
             break
@@ -113,7 +117,7 @@ def test_same_seed_same_losses_other_seed_differs():
 def test_loss_curve_matches_the_stored_reference():
     """
     The 50-step loss curve of the tiny config equals the stored one (tests/data/loss_curve_tiny.json) within 1e-4 at
-    every step. Re-record only on purpose with `python tests/record_loss_curve.py`. Wrong variant exercised: the lr
+    every step. Re-record only on purpose with `python dev/record_loss_curve.py`. Wrong variant exercised: the lr
     schedule counted per micro-step instead of per optimizer step (MLPug's bug; lr_multiplier(2 * step)) moves the
     curve by far more than 1e-4.
     """

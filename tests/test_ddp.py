@@ -15,7 +15,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from nanotrain.common import all_reduce_scalar, exit_process
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.training import check_replicas, forward_backward, optimizer_step
+from nanotrain.run import check_replicas
+from nanotrain.training import forward_backward, micro_batches, optimizer_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 2
@@ -58,14 +59,14 @@ def worker(rank, port, out_dir, wrong):
     ddp.register_comm_hook(None, counting_hook)
     x, y = data(0)
     mine = slice(rank * 4, rank * 4 + 4)  # each rank gets half of the rows, in 2 micro-batches of 2
-    forward_backward(model, x[mine], y[mine], 2, nullcontext())  # no DDP: this rank's own gradient, not synced
+    forward_backward(model, micro_batches(x[mine], y[mine], 2), nullcontext())  # no DDP: this rank's own gradient, not synced
     local_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
     model.zero_grad(set_to_none=True)
     if wrong:  # counter-example: the wrong step syncs on every micro-step and never divides by the accumulation
         for i in range(2):
             ddp(x[mine][2 * i:2 * i + 2], y[mine][2 * i:2 * i + 2]).backward()
     else:
-        loss = forward_backward(ddp, x[mine], y[mine], 2, nullcontext())
+        loss = forward_backward(ddp, micro_batches(x[mine], y[mine], 2), nullcontext())
     grad = torch.cat([p.grad.flatten() for p in model.parameters()])
     n_buckets = len(set(calls))
     syncs = len(calls) / max(n_buckets, 1)
@@ -77,7 +78,7 @@ def worker(rank, port, out_dir, wrong):
         result["local_norm"] = local_norm
         for step in range(1, 5):
             x, y = data(step)
-            forward_backward(ddp, x[mine], y[mine], 2, nullcontext())
+            forward_backward(ddp, micro_batches(x[mine], y[mine], 2), nullcontext())
             optimizer_step(model, opts, 1.0, 0.95, 1.0)
         result["checksum"] = check_replicas(model)
         result["params"] = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -125,6 +126,7 @@ def test_ddp_two_ranks_equals_full_batch(tmp_path):
 def ns_worker(rank, port, out_dir, agree):
     """One rank as a training script starts it (compute_init on CPU, a model, setup_optimizers), with rank 1
     measuring slow bf16 matmuls."""
+    import nanotrain.common as common
     import nanotrain.muon as muon
     from nanotrain.common import compute_init
     from nanotrain.gpt import GPT, GPTConfig
@@ -132,14 +134,14 @@ def ns_worker(rank, port, out_dir, agree):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     speed = 4.5 if rank == 0 else 0.25  # bf16 / fp32 throughput each rank "measures"
-    muon.measure_matmul_flops = lambda dtype, n, s: 1e11 * (speed if dtype == torch.bfloat16 else 1.0)
-    muon.cpu_flags = lambda: None  # a CPU that lists no flags: each rank's timing decides
+    common.measure_matmul_flops = lambda dtype, n, s: 1e11 * (speed if dtype == torch.bfloat16 else 1.0)
+    common.cpu_flags = lambda: None  # a CPU that lists no flags: each rank's timing decides
     if not agree:  # the wrong variant: each rank decides alone
-        muon.all_reduce_scalar = lambda value, op, device: int(value)
+        common.all_reduce_scalar = lambda value, op, device: int(value)
     compute_init("cpu")
     model = GPT(GPTConfig(max_seq_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, model_dim=16))
     model.setup_optimizers()  # ns_dtype "": settles Muon's Newton-Schulz dtype, before any step
-    torch.save({"chosen": muon._NS_DTYPE.get("cpu")}, os.path.join(out_dir, f"ns{rank}.pt"))
+    torch.save({"chosen": muon.ns_dtype_for("cpu")}, os.path.join(out_dir, f"ns{rank}.pt"))
     exit_process(0)
 
 

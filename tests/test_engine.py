@@ -183,7 +183,7 @@ def test_load_model_falls_back_to_the_newest_readable_checkpoint(run, tmp_path, 
     2's a planted pickle) and loads step 1, printing one `warning:` line on stderr that names both bad files and the
     checkpoint loaded; the marker is never created. The old code raised torch's zip-reader RuntimeError.
     """
-    from nanotrain.engine import load_model
+    from nanotrain.checkpoint import load_model
     ckpts, models = run
     truncate(ckpts / "step_000003" / "model.pt")
     torch.save(Planted(tmp_path / "marker"), ckpts / "step_000002" / "model.pt")
@@ -209,7 +209,7 @@ def test_load_model_refuses_in_one_line_when_nothing_or_the_requested_step_is_un
     """
     import json
 
-    from nanotrain.engine import load_model
+    from nanotrain.checkpoint import load_model
     ckpts, _ = run
     meta_file = ckpts / "step_000002" / "meta.json"
     meta = json.load(open(meta_file))

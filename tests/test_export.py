@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, run_script
+from helpers import TINY_TRAIN, run_script
 from safetensors import safe_open
 
 from nanotrain.common import UserError
@@ -141,7 +141,7 @@ def test_export_script_end_to_end(base_dir):
     assert fp32.returncode == 0, fp32.stderr[-3000:]
     assert "verified: reloaded logits equal" in fp32.stdout
     path = os.path.join(base_dir, "base", "t", "export", "model.safetensors")
-    from nanotrain.engine import load_model
+    from nanotrain.checkpoint import load_model
     from nanotrain.tokenizer import get_tokenizer
     model, _, ckpt_path, _ = load_model("base", "t")
     loaded, config = load_safetensors(path)

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TINY_TRAIN, run_script
+from helpers import TINY_TRAIN, run_script
 
 from nanotrain.checkpoint import load_checkpoint, load_optimizers, save_checkpoint
 from nanotrain.common import all_reduce_scalar, exit_process
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.training import forward_backward, optimizer_step
+from nanotrain.training import forward_backward, micro_batches, optimizer_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 WORLD = 2
@@ -57,7 +57,7 @@ def train(model, fwd, opts, rank, steps):
     for step in steps:
         g = torch.Generator().manual_seed(100 + step)
         x, y = torch.randint(0, 64, (8, 16), generator=g), torch.randint(0, 64, (8, 16), generator=g)
-        loss = forward_backward(fwd, x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4], 2, nullcontext())
+        loss = forward_backward(fwd, micro_batches(x[rank * 4:rank * 4 + 4], y[rank * 4:rank * 4 + 4], 2), nullcontext())
         losses.append(all_reduce_scalar(loss, "mean", CPU))
         optimizer_step(model, opts, 1.0, 0.95, 1.0)
     return losses
@@ -157,7 +157,7 @@ def worker(rank, port, out):
     opts = model.setup_optimizers(**OPT)
     g = torch.Generator().manual_seed(7)
     x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
-    forward_backward(model, x, y, 2, nullcontext())
+    forward_backward(model, micro_batches(x, y, 2), nullcontext())
     res["grads"] = {(isinstance(p.grad, DTensor), p.grad.dtype) for p in model.parameters()}
     optimizer_step(model, opts, 1.0, 0.95, 1.0)
     res["params"] = {(isinstance(p, DTensor), p.dtype) for p in model.parameters()}

@@ -16,14 +16,15 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from helpers import sft_backward
 
-from nanotrain.auto_batch_size import OOMStepDown, candidate_batch_sizes, next_smaller_candidate
+from nanotrain.autobatch.search import candidate_batch_sizes
+from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
 from nanotrain.dataloader import ConversationTokenStream, TokenLoader
 from nanotrain.gpt import GPT, GPTConfig, config_from_depth
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.sft_data import (
     IGNORE_INDEX,
-    backward_step,
     count_targets,
     evaluate_loss,
     global_target_count,
@@ -121,7 +122,7 @@ def test_sft_step_count_and_scaled_loss_are_the_hand_values(autocast_ctx):
     """
     model = hand_model()
     batches = [micro_batch(CONVS[:2], True, 1), micro_batch(CONVS[2:], True, 1)]
-    scaled, count = backward_step(model, batches, autocast_ctx)
+    scaled, count = sft_backward(model, batches, autocast_ctx)
     assert count == 7 and scaled.item() == pytest.approx(HAND_LOSS, abs=1e-6)
     # d loss / d logit_0 = p_0 - [target == 0], times the soft-cap slope 1 - (s/15)^2 at logit 2 (1 at logit 0), times
     # the normalised input [1, 1] (token 0) or [1, -1] (token 1): 2 x (0->1) and 2 x (0->0) with p_0 = q, 3 x (1->0)
@@ -286,7 +287,7 @@ def test_compiled_refinement_literal_probe_sequences(cands, eager, limit, want, 
     instead of 8), an index run past the largest candidate (IndexError), a step-down that stops before the smallest
     candidate (an error although 1 fits), and a step-up that skips a candidate.
     """
-    from nanotrain.auto_batch_size import _refine_compiled
+    from nanotrain.autobatch.search import _refine_compiled
     seen = []
 
     def fits(b):
@@ -298,7 +299,7 @@ def test_compiled_refinement_literal_probe_sequences(cands, eager, limit, want, 
 def test_check_probes_rejects_a_size_that_also_failed():
     """A cache entry whose probes say its size both fits and does not fit is contradictory and rejected. Catches a
     comparison that accepts a failure at the size itself (only failures strictly below it)."""
-    from nanotrain.auto_batch_size import check_probes
+    from nanotrain.autobatch.cache import check_probes
     fits = {"batch_size": 4, "peak_bytes": 10, "result": "fits", "phase": "search"}
     check_probes(4, [fits, {**fits, "batch_size": 8, "result": "OOM"}], 100)  # consistent: no error
     with pytest.raises(ValueError, match=r"not the answer of its search probes \(fits: \[4\]; does not fit: \[4\]\)"):
@@ -313,9 +314,9 @@ def test_sft_probe_model_is_the_rows_chat_sft_trains(packing):
     at a time. Its cache key records the packing. Catches segments that leak attention or positions across rows,
     a packed path that drops doc_ids, and a key without packing (a padded entry reused for packed runs).
     """
-    from conftest import tiny_model
+    from helpers import tiny_model
 
-    from nanotrain.auto_batch_size import sft_builder
+    from nanotrain.autobatch.builders import sft_builder
     model = tiny_model()
     build = sft_builder(model.config, packing, weight_decay=0.0)
     assert build.key_fields["packing"] is packing and build.key_fields["optimizer_kwargs"] == {"weight_decay": 0.0}
@@ -338,7 +339,8 @@ def test_agree_reraises_and_cache_warnings_name_the_reason(tmp_path, monkeypatch
     into a None result (discovery would go on without a model) and a warning that does not say why the entry was
     dropped.
     """
-    from nanotrain.auto_batch_size import _agree, cache_path, read_cached, write_cached
+    from nanotrain.autobatch.cache import cache_path, read_cached, write_cached
+    from nanotrain.autobatch.search import _agree
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     with pytest.raises(ZeroDivisionError):
         _agree(lambda: 1 / 0, torch.device("cpu"), "testing")

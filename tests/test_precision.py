@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.gpt import GPT, SOFTCAP, GPTConfig
-from nanotrain.training import forward_backward, optimizer_step, precision
+from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 
 pytestmark = pytest.mark.unit
 
@@ -72,7 +72,7 @@ def one_bf16_step(model, device=CPU):
         seen.setdefault("matmul", out.dtype)
     hook = model.blocks[0].attn.c_q.register_forward_hook(record)
     x, y = batch(0)
-    forward_backward(model, x.to(device), y.to(device), 4, ctx)
+    forward_backward(model, micro_batches(x.to(device), y.to(device), 4), ctx)
     hook.remove()
     seen["grads"] = {p.grad.dtype for p in model.parameters()}
     optimizer_step(model, optimizers, 1.0, 0.95, 1.0)
@@ -143,7 +143,7 @@ def changed_fraction(param_dtype, steps=100, lr=1e-5):
     _, ctx = precision("bfloat16", CPU)
     for step in range(steps):
         x, y = batch(step)
-        forward_backward(model, x, y, 8, ctx)
+        forward_backward(model, micro_batches(x, y, 8), ctx)
         optimizer_step(model, optimizers, 1.0, 0.95, 1.0)
     changed = sum((p.detach() != b).sum().item() for p, b in zip(model.parameters(), before))
     return changed / sum(p.numel() for p in model.parameters())

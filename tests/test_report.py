@@ -5,7 +5,7 @@ import os
 import shutil
 
 import pytest
-from conftest import TINY_TRAIN, run_script
+from helpers import TINY_TRAIN, run_script
 
 from nanotrain.report import STAGES, SUBSECTIONS, main, read_metrics, report_dir, write_section
 

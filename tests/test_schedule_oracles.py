@@ -1,7 +1,7 @@
 """
 The lr multiplier and Muon momentum schedules (nanotrain/training.py) as literal tables, worked out by hand for a few
 steps. Written against the current signatures lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio,
-final_lr_frac) and muon_momentum(step, warmup_steps, start, end, total_steps, warmdown_ratio, final): update the calls
+final_lr_frac) and muon_momentum(step, *, warmup_steps, start, end, total_steps, warmdown_ratio, final): update the calls
 here if they change.
 """
 
@@ -41,10 +41,10 @@ def test_muon_momentum_table():
     default 300, 0.85 + 0.1 * k / 300. Catches a ramp over the wrong number of steps, a ramp that overshoots 0.95
     after the warmup, or start and end swapped.
     """
-    assert [muon_momentum(k, 4) for k in range(6)] == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95], abs=1e-12)
+    assert [muon_momentum(k, warmup_steps=4) for k in range(6)] == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95], abs=1e-12)
     assert [muon_momentum(k) for k in (0, 1, 150, 299, 300, 301, 10_000)] == pytest.approx(
         [0.85, 0.8503333333333334, 0.9, 0.9496666666666667, 0.95, 0.95, 0.95], abs=1e-12)
-    assert muon_momentum(1, 2, start=0.5, end=0.7) == pytest.approx(0.6, abs=1e-12)
+    assert muon_momentum(1, warmup_steps=2, start=0.5, end=0.7) == pytest.approx(0.6, abs=1e-12)
 
 
 def test_muon_momentum_warmdown_table():
@@ -55,15 +55,16 @@ def test_muon_momentum_warmdown_table():
     the warmdown leaves the momentum alone. Catches a decay that starts a step early or late (against
     lr_multiplier's warmdown), one that ends at `end`, one towards `start`, and a warmup of 0 steps dividing by zero.
     """
-    got = [muon_momentum(k, 2, 0.85, 0.97, 10, 0.5, 0.90) for k in range(11)]
+    got = [muon_momentum(k, warmup_steps=2, start=0.85, end=0.97, total_steps=10, warmdown_ratio=0.5,
+                         final=0.90) for k in range(11)]
     want = [0.85, 0.91, 0.97, 0.97, 0.97, 0.97, 0.956, 0.942, 0.928, 0.914, 0.90]
     assert got == pytest.approx(want, abs=1e-12)
-    assert [muon_momentum(k, 0, 0.85, 0.95, 4, 0.5, 0.5) for k in range(5)] == pytest.approx(
+    assert [muon_momentum(k, warmup_steps=0, start=0.85, end=0.95, total_steps=4, warmdown_ratio=0.5, final=0.5) for k in range(5)] == pytest.approx(
         [0.95, 0.95, 0.95, 0.725, 0.5], abs=1e-12)
-    assert [muon_momentum(k, 0, 0.85, 0.95, 4, 0.5) for k in range(5)] == [0.95] * 5
+    assert [muon_momentum(k, warmup_steps=0, start=0.85, end=0.95, total_steps=4, warmdown_ratio=0.5) for k in range(5)] == [0.95] * 5
     # `final` without the run's length or warmdown: no warmdown (the defaults total_steps 0, warmdown_ratio 0), so
     # `end` at every step after the warmup; catches either default changed (1.0: a decay over the whole run)
-    assert [muon_momentum(k, 0, final=0.5, total_steps=4) for k in range(5)] == [0.95] * 5
+    assert [muon_momentum(k, warmup_steps=0, final=0.5, total_steps=4) for k in range(5)] == [0.95] * 5
     assert muon_momentum(350, final=0.5, warmdown_ratio=1.0) == 0.95
 
 

@@ -1,5 +1,5 @@
 """
-SFT loss normalisation (nanotrain/sft_data.py backward_step): the gradient of an optimizer step is that of the
+SFT loss normalisation (token_loss_scale of nanotrain/sft_data.py through nanotrain.training.forward_backward): the gradient of an optimizer step is that of the
 global token mean, whatever the split into micro-batches (gradient accumulation) and ranks (DDP on gloo).
 Tiny real GPT in fp32 on CPU: the correct normalisation matches within 1e-6 relative (fp32 roundoff), the naive
 per-micro-batch mean misses by more than 1e-2.
@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import sft_backward
 
 from nanotrain.common import exit_process
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.sft_data import backward_step, lpt_pack, micro_batch, pad_conversations
+from nanotrain.sft_data import lpt_pack, micro_batch, pad_conversations
 
 TINY = dict(vocab_size=128, n_layer=2, model_dim=64, n_head=2, n_kv_head=1, max_seq_len=64)
 
@@ -98,7 +99,7 @@ def test_grad_accum_equals_single_batch(grad_accum_steps, packing):
     batches = [micro_batch(convs[i:i + per], packing, pad_id=0) for i in range(0, len(convs), per)]
     assert len(batches) == grad_accum_steps
     model.zero_grad(set_to_none=True)
-    scaled, count = backward_step(model, batches, nullcontext() if grad_accum_steps == 2 else None)  # both paths
+    scaled, count = sft_backward(model, batches, nullcontext() if grad_accum_steps == 2 else None)  # both paths
     assert count == 38 + 1 + 3 + 8 + 24 + 2 + 10 + 5  # make_convs' trained counts: none starts at the first token
     assert rel(grads(model), ref_grad) <= 1e-6
     assert abs(scaled.item() - ref_loss) <= 1e-6 * ref_loss  # the logged loss is the global token mean
@@ -126,13 +127,13 @@ def test_zero_token_micro_batch_and_empty_step():
     assert masked["targets"] == 0
     real = micro_batch(convs[:3], packing=True, pad_id=0)
     model.zero_grad(set_to_none=True)
-    backward_step(model, [real])
+    sft_backward(model, [real])
     alone = grads(model)
     model.zero_grad(set_to_none=True)
-    scaled, count = backward_step(model, [dummy, real, masked])
+    scaled, count = sft_backward(model, [dummy, real, masked])
     assert torch.isfinite(grads(model)).all() and rel(grads(model), alone) <= 1e-6
     model.zero_grad(set_to_none=True)
-    scaled, count = backward_step(model, [dummy, masked])
+    scaled, count = sft_backward(model, [dummy, masked])
     assert count == 0 and scaled.item() == 0.0
     assert all(p.grad is None for p in model.parameters())
 
@@ -154,7 +155,7 @@ def _dist_worker(rank, world_size, port, out_dir):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     plan = lpt_pack([len(ids) for ids, _ in convs], max_tokens=45, world_size=world_size, max_items=1)
     batches = [micro_batch([convs[i] for i in mb[rank]], True, pad_id=0) for mb in plan]
-    scaled, count = backward_step(ddp, batches)
+    scaled, count = sft_backward(ddp, batches)
     loss = scaled.clone()
     dist.all_reduce(loss)
     out = {"grad": grads(model), "loss": loss.item() / world_size, "count": count, "num_micro": len(batches),

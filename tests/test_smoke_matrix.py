@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import run_script
+from helpers import run_script
 
 pytestmark = pytest.mark.smoke
 
@@ -271,7 +271,7 @@ def test_cell(matrix, monkeypatch, script, nproc, accum, resumed):
         rank_files = [f"rank_{r:05d}.pt" for r in range(nproc)]
         assert all(sorted(f for f in os.listdir(p) if f.startswith("rank_")) == rank_files for p in ckpts)
         monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(matrix.base))
-        from nanotrain.engine import load_model
+        from nanotrain.checkpoint import load_model
         model, tokenizer, path, meta = load_model(STAGE[script], run["name"])
         assert path == ckpts[-1] and meta["step"] == STEPS and meta["world_size"] == nproc
         ids = tokenizer.encode("The capital of France is", prepend=tokenizer.get_bos_token_id())

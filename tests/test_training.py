@@ -6,10 +6,11 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import grads, rel, tiny_model
+from helpers import grads, rel, tiny_model
 
 from nanotrain.muon import Muon
-from nanotrain.training import MetricsLog, forward_backward, muon_momentum
+from nanotrain.run import MetricsLog
+from nanotrain.training import forward_backward, micro_batches, muon_momentum
 
 pytestmark = pytest.mark.unit
 
@@ -24,11 +25,11 @@ def test_grad_accumulation_equals_full_batch():
     x = torch.randint(0, 64, (8, 16))
     y = torch.randint(0, 64, (8, 16))
     model = tiny_model()
-    loss1 = forward_backward(model, x, y, 8, nullcontext())
+    loss1 = forward_backward(model, micro_batches(x, y, 8), nullcontext())
     ref = grads(model)
     for micro in (4, 2):
         model.zero_grad(set_to_none=True)
-        loss = forward_backward(model, x, y, micro, nullcontext())
+        loss = forward_backward(model, micro_batches(x, y, micro), nullcontext())
         assert rel(grads(model), ref) < 1e-6
         assert abs(loss.item() - loss1.item()) < 1e-6
     # counter-example: no division by the number of micro-batches
@@ -41,8 +42,8 @@ def test_grad_accumulation_equals_full_batch():
 def test_forward_backward_rejects_ragged_split():
     model = tiny_model()
     with pytest.raises(ValueError):
-        forward_backward(model, torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long), 4,
-                         nullcontext())
+        forward_backward(model, micro_batches(torch.zeros(6, 16, dtype=torch.long),
+                                              torch.zeros(6, 16, dtype=torch.long), 4), nullcontext())
 
 
 def test_muon_momentum_ramp():
@@ -122,10 +123,10 @@ def test_forward_backward_returns_the_mean_loss_of_all_rows():
     model = tiny_model()
     with torch.no_grad():
         want = model(x, y).item()
-    got = forward_backward(model, x, y, 4, nullcontext())
+    got = forward_backward(model, micro_batches(x, y, 4), nullcontext())
     assert got.shape == () and abs(got.item() - want) < 1e-6
     with pytest.raises(ValueError, match="6 rows do not split into micro-batches of 4"):
-        forward_backward(model, x[:6], y[:6], 4, nullcontext())
+        forward_backward(model, micro_batches(x[:6], y[:6], 4), nullcontext())
 
 
 def test_forward_backward_syncs_gradients_only_in_the_last_micro_step(one_rank_mesh, monkeypatch, capsys):
@@ -137,18 +138,19 @@ def test_forward_backward_syncs_gradients_only_in_the_last_micro_step(one_rank_m
     DTensor norm handed back to the loop.
     """
     from nanotrain.fsdp import shard_model
-    from nanotrain.training import check_replicas, optimizer_step
+    from nanotrain.run import check_replicas
+    from nanotrain.training import optimizer_step
 
     x, y = torch.randint(0, 64, (6, 16)), torch.randint(0, 64, (6, 16))
     ddp = torch.nn.parallel.DistributedDataParallel(tiny_model())
     seen = []
     ddp.module.register_forward_pre_hook(lambda m, a: seen.append(ddp.require_backward_grad_sync))
-    forward_backward(ddp, x, y, 2, nullcontext())
+    forward_backward(ddp, micro_batches(x, y, 2), nullcontext())
     assert seen == [False, False, True]
     fsdp = shard_model(tiny_model(), torch.device("cpu"), torch.float32)
     calls, real = [], fsdp.set_requires_gradient_sync
     monkeypatch.setattr(fsdp, "set_requires_gradient_sync", lambda flag: (calls.append(flag), real(flag))[1])
-    forward_backward(fsdp, x, y, 2, nullcontext())
+    forward_backward(fsdp, micro_batches(x, y, 2), nullcontext())
     assert calls == [False, False, True]
     sgd = torch.optim.SGD(fsdp.parameters(), lr=0.1)
     sgd.param_groups[0]["initial_lr"] = 0.1
@@ -225,7 +227,7 @@ def test_step_log_line_by_hand():
     norm the field is left out. Catches MFU not divided by the world size, tokens/s or eta from the wrong
     quantities, and wrong units (ms, %, minutes).
     """
-    from nanotrain.training import step_log_line
+    from nanotrain.run import step_log_line
 
     kw = dict(loss=2.5, lrm=0.75, dt=12.0, tokens=24_000, flops_per_token=5e6, peak_flops=1e10, world_size=5)
     line, row = step_log_line(5, 55, grad_norm=0.5, **kw)
@@ -238,7 +240,7 @@ def test_step_log_line_by_hand():
 
 def test_precision_resolves_the_dtype_setting(monkeypatch):
     """
-    --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as measured by ns_dtype_for), fp32 and
+    --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as nanotrain.common.fast_bf16 finds), fp32 and
     no autocast on a slow-bf16 CPU and on other devices; an explicit dtype is used without measuring; anything else
     is a UserError naming --dtype. Catches a measurement made for an explicit dtype, autocast left on for fp32, and
     a CUDA default that depends on the CPU's measurement.
@@ -249,7 +251,8 @@ def test_precision_resolves_the_dtype_setting(monkeypatch):
     from nanotrain.common import UserError
 
     for measured, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
-        monkeypatch.setattr(training, "ns_dtype_for", lambda device, m=measured: m if device.type == "cpu" else None)
+        monkeypatch.setattr(training, "fast_bf16", lambda device, m=measured: m == torch.bfloat16 if device.type == "cpu"
+                            else None)
         dtype, ctx = training.precision("", torch.device("cpu"))
         assert dtype == want
         if want == torch.bfloat16:
@@ -259,7 +262,7 @@ def test_precision_resolves_the_dtype_setting(monkeypatch):
 
     def refuse(device):
         raise AssertionError("measured")
-    monkeypatch.setattr(training, "ns_dtype_for", refuse)
+    monkeypatch.setattr(training, "fast_bf16", refuse)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # autocast warns that CUDA is not available; only its settings are checked
         dtype, ctx = training.precision("", torch.device("cuda"))
@@ -297,7 +300,7 @@ def test_open_and_finish_a_run_write_config_metrics_and_report(one_rank_mesh, tm
     import time
 
     from nanotrain.common import UserError
-    from nanotrain.training import finish_run, open_run_log
+    from nanotrain.run import finish_run, open_run_log
 
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     run_dir = tmp_path / "base" / "r1"
@@ -336,7 +339,7 @@ def test_check_replicas_checksum_by_hand(one_rank_mesh, monkeypatch, capsys):
     """
     import torch.distributed as dist
 
-    from nanotrain.training import check_replicas
+    from nanotrain.run import check_replicas
 
     model = torch.nn.Module()
     model.a = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
@@ -356,7 +359,7 @@ def test_check_replicas_checksum_by_hand(one_rank_mesh, monkeypatch, capsys):
 
 
 def test_check_replicas_without_a_process_group_is_a_no_op():
-    from nanotrain.training import check_replicas
+    from nanotrain.run import check_replicas
     assert check_replicas(torch.nn.Linear(2, 2)) is None
 
 

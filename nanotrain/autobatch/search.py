@@ -1,39 +1,31 @@
 """
 Automatic device batch size: the largest per-device micro-batch (rows of max_seq_len tokens) whose training step fits
-in memory on every rank, cached across runs (discover_device_batch_size), and the step-down when a later step runs
-out of memory (OOMStepDown). Only grad_accum_steps moves: the candidates are the divisors of total_batch_size /
-(max_seq_len * world_size), so the tokens per optimizer step never change. A size fits if its peak (measured by
-nanotrain.memory) is at most margin * device memory on every rank; ranks agree on each decision in one all-reduce,
-errors included, so no rank waits forever. The cache is one JSON file per key under <base_dir>/auto_batch_cache/.
+in memory on every rank (discover_device_batch_size), cached across runs (nanotrain.autobatch.cache). Only
+grad_accum_steps moves: the candidates are the divisors of total_batch_size / (max_seq_len * world_size), so the tokens
+per optimizer step never change. A size fits if its peak (measured by nanotrain.autobatch.probe) is at most margin *
+device memory on every rank; ranks agree on each decision in one all-reduce, errors included, so no rank waits
+forever. A later out-of-memory step steps down (nanotrain.autobatch.stepdown).
 """
 
-import gc
-import hashlib
-import inspect
-import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import (
-    UserError,
-    any_rank,
-    atomic_write_json,
-    get_base_dir,
-    is_distributed,
-    print0,
-    rng_state,
-    set_rng_state,
+from nanotrain.autobatch.cache import (
+    ALGORITHM_VERSION,
+    cache_key,
+    cache_path,
+    code_fingerprint,
+    drop_cached,
+    read_cached,
+    write_cached,
 )
-from nanotrain.fsdp import is_fsdp
-from nanotrain.gpt import GPT
-from nanotrain.memory import FakeProbe, GiB, RealProbe, device_memory_budget, is_oom_error
+from nanotrain.autobatch.probe import FakeProbe, GiB, RealProbe, device_memory_budget
+from nanotrain.common import UserError, atomic_write_json, is_distributed, print0, rng_state, set_rng_state
 
-ALGORITHM_VERSION = 1  # bump when the probe recipe, the measurement or the search changes: old cache entries then miss
 DEFAULT_MARGIN = 0.85  # fraction of the device memory the training step may use
 MAX_COMPILED_PROBES = 3  # compiled probes per discovery (each is a recompile; torch._dynamo's recompile_limit is 8)
 
@@ -97,171 +89,6 @@ def search_batch_size(fits, candidates, start_index=None):
     return cands[lo]
 
 
-def next_smaller_candidate(candidates, batch_size):
-    """The largest candidate strictly smaller than batch_size, or None: the step-down after an out-of-memory step
-    (halving, as Composer's auto microbatching does, may break divisibility)."""
-    return max((c for c in candidates if c < batch_size), default=None)
-
-
-def gpt_builder(model_config, *, activation_checkpointing=False, **optimizer_kwargs):
-    """
-    A build_probe(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
-    FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it, fresh
-    optimizers from setup_optimizers(**optimizer_kwargs); advances torch's global RNG. It carries `key_fields` (GPT
-    config, activation checkpointing, optimizer arguments) for the cache key, so another model never hits its entry.
-    """
-    def build_probe(device):
-        with torch.device(device):
-            model = GPT(model_config)
-        model.init_weights()
-        model.activation_checkpointing = bool(activation_checkpointing)
-        return model, model.setup_optimizers(**optimizer_kwargs)
-
-    build_probe.key_fields = {"gpt_config": dict(vars(model_config)), "optimizer_kwargs": dict(optimizer_kwargs),
-                              "activation_checkpointing": bool(activation_checkpointing)}
-    return build_probe
-
-
-class PackedRows(torch.nn.Module):
-    """The memory shape chat_sft trains, for the probes: (B, T) rows as one packed row of B*T tokens in B segments
-    (block-diagonal attention), or as B padded rows with packing=False."""
-
-    def __init__(self, model, packing):
-        super().__init__()
-        self.model, self.packing = model, packing
-
-    def forward(self, x, y):
-        if not self.packing:
-            return self.model(x, y)
-        B, T = x.shape
-        doc_ids = torch.arange(B, device=x.device).repeat_interleave(T).view(1, B * T)
-        return self.model(x.reshape(1, B * T), y.reshape(1, B * T), doc_ids=doc_ids)
-
-
-def sft_builder(model_config, packing, activation_checkpointing=False, **optimizer_kwargs):
-    """build_probe(device) -> (PackedRows(GPT), [adamw, muon]) for chat_sft: gpt_builder's model wrapped in
-    PackedRows; key_fields also hold `packing`."""
-    build_gpt = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **optimizer_kwargs)
-
-    def build_probe(device):
-        model, optimizers = build_gpt(device)
-        return PackedRows(model, packing), optimizers
-    build_probe.key_fields = {**build_gpt.key_fields, "packing": packing}
-    return build_probe
-
-
-def code_fingerprint(build_probe):
-    """sha256 (hex str) of the Python sources that decide the probe's memory: every .py file of the nanotrain package
-    (model, optimizers, nanotrain.memory's probe step, the builders), of the top-level package defining build_probe
-    and build_probe's own file. In the key, it makes the fake-path peak a pure function of the key."""
-    files = set()
-
-    def add_tree(root):
-        for dirpath, _, names in os.walk(root):
-            files.update(os.path.join(dirpath, n) for n in names if n.endswith(".py"))
-
-    add_tree(os.path.dirname(os.path.abspath(__file__)))
-    module = sys.modules.get(getattr(build_probe, "__module__", None) or "")
-    package = (getattr(module, "__package__", None) or "").split(".")[0]
-    if package and package in sys.modules and getattr(sys.modules[package], "__file__", None):
-        add_tree(os.path.dirname(os.path.abspath(sys.modules[package].__file__)))
-    try:
-        source = inspect.getsourcefile(build_probe)
-    except TypeError:  # a builtin or a callable object without source
-        source = None
-    if source and os.path.isfile(source):  # not for "<stdin>" or notebook cells
-        files.add(os.path.abspath(source))
-    digest = hashlib.sha256()
-    for path in sorted(files):
-        with open(path, "rb") as f:
-            digest.update(os.path.relpath(path, os.path.dirname(path) + "/..").encode() + b"\0" + f.read())
-    return digest.hexdigest()
-
-
-def cache_key(*, key_fields, max_seq_len, vocab_size, amp_dtype, compile, devices, world_size, margin, candidates,
-              code=None):
-    """The cache key (a JSON-able dict) of these arguments (`devices`: every rank's device_memory_budget description;
-    `code`: code_fingerprint(build_probe)), the torch version, the CUDA allocator settings (PYTORCH_CUDA_ALLOC_CONF,
-    PYTORCH_ALLOC_CONF: they change fragmentation) and ALGORITHM_VERSION."""
-    return {"algorithm_version": ALGORITHM_VERSION,
-            "key_fields": json.loads(json.dumps(key_fields or {}, sort_keys=True, default=str)),
-            "max_seq_len": max_seq_len, "vocab_size": vocab_size, "amp_dtype": str(amp_dtype), "compile": bool(compile),
-            "devices": devices, "world_size": world_size, "torch": torch.__version__, "margin": margin,
-            "candidates": list(candidates), "code": code,
-            "alloc_conf": [os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), os.environ.get("PYTORCH_ALLOC_CONF", "")]}
-
-
-def cache_path(key):
-    """<base_dir>/auto_batch_cache/<sha256 of the canonical JSON of key>.json"""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return os.path.join(get_base_dir(), "auto_batch_cache", f"{digest}.json")
-
-
-def check_probes(batch_size, probes, limit_bytes):
-    """
-    Raises ValueError (naming what is wrong) unless `probes` (a cache entry's list of dicts with batch_size,
-    peak_bytes, result, phase) give batch_size as the answer of the phase that decided it ("compiled" if there are
-    compiled probes, else "search"): in that phase batch_size was probed with result "fits", every "fits" probe peaks
-    at most limit_bytes (bytes), batch_size is the largest size that fits and is below every size that does not.
-    Returns None. Raises KeyError or TypeError for malformed probes.
-    """
-    phase = "compiled" if any(p["phase"] == "compiled" for p in probes) else "search"
-    probes = [p for p in probes if p["phase"] == phase]
-    fit = sorted(p["batch_size"] for p in probes if p["result"] == "fits")
-    no_fit = sorted(p["batch_size"] for p in probes if p["result"] != "fits")
-    if batch_size not in fit:
-        raise ValueError(f"device_batch_size={batch_size} has no {phase} probe that fits")
-    for p in probes:
-        if p["result"] == "fits" and not p["peak_bytes"] <= limit_bytes:
-            raise ValueError(f"its {phase} probe at device_batch_size={p['batch_size']} peaks at {p['peak_bytes']} "
-                             f"bytes, over this run's limit of {int(limit_bytes)} bytes")
-    if fit[-1] != batch_size or (no_fit and no_fit[0] <= batch_size):
-        raise ValueError(f"device_batch_size={batch_size} is not the answer of its {phase} probes (fits: {fit}; does "
-                         f"not fit: {no_fit})")
-
-
-def read_cached(key, limit_bytes, log=print0):
-    """
-    The cached device batch size (int) for `key`, or None when there is no entry or it is ignored. limit_bytes: the
-    largest margin * budget over the ranks, in bytes (a probe records the max peak over the ranks). A file that is not
-    valid JSON, whose stored key differs from `key` (foreign or edited), whose size is not a candidate or whose probes
-    do not give that size within limit_bytes (check_probes) is ignored with one warning line naming the file (and left
-    to be replaced). Never raises for the file's contents.
-    """
-    path = cache_path(key)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            entry = json.load(f)
-        batch_size = entry["device_batch_size"]
-        if entry["key"] != key:
-            raise ValueError("its key does not match this run's key")
-        if batch_size not in key["candidates"]:
-            raise ValueError(f"device_batch_size={batch_size!r} is not a candidate")
-        check_probes(batch_size, entry["probes"], limit_bytes)
-        return int(batch_size)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log(f"auto_batch_size: warning: ignoring the cache file {path}: {type(exc).__name__}: {exc}")
-        return None
-
-
-def write_cached(key, batch_size, probes):
-    """Writes the cache entry for `key` atomically (nanotrain.common.atomic_write_json). Returns the path."""
-    path = cache_path(key)
-    atomic_write_json(path, {"key": key, "device_batch_size": batch_size, "probes": probes, "written": time.time()})
-    return path
-
-
-def drop_cached(key):
-    """Removes the cache entry for `key` (record["cache_key"]). Returns True if a file was removed."""
-    try:
-        os.remove(cache_path(key))
-        return True
-    except FileNotFoundError:
-        return False
-
-
 def _reduce_max(values, device):
     """Element-wise MAX of a list of floats over the ranks in one all-reduce (the values themselves on one rank)."""
     if not (is_distributed() and dist.get_world_size() > 1):
@@ -321,7 +148,7 @@ def discover_device_batch_size(build_probe, *, max_seq_len, vocab_size, total_ba
                                record_path=None):
     """
     The largest candidate_batch_sizes(total_batch_size, max_seq_len, world_size, max_batch_size) whose training step
-    (nanotrain.memory.probe_step) peaks at most margin * device memory on every rank. Call it on every rank before the
+    (nanotrain.autobatch.probe.probe_step) peaks at most margin * device memory on every rank. Call it on every rank before the
     training model is built; result and record are the same on all ranks; RNG states are restored.
     build_probe(device) -> (model, optimizers) as training uses them (gpt_builder, sft_builder): on CPU/MPS called per
     probe under FakeTensorMode; on CUDA once, probed for real, then its parameters restored and optimizer state
@@ -451,78 +278,3 @@ def discover_device_batch_size(build_probe, *, max_seq_len, vocab_size, total_ba
     if record_path is not None and rank == 0:
         atomic_write_json(record_path, record)
     return batch_size, record
-
-
-class OOMStepDown:
-    """Training steps at a discovered device_batch_size, stepping down when memory runs out. record: the record of
-    discover_device_batch_size (reads "candidates", "cache_key"; gets "step_downs"); record_path: its JSON file (None:
-    none); device_batch_size (int attribute): the micro-batch size in use now; log: print-like."""
-
-    def __init__(self, record, record_path, device_batch_size, log=print0):
-        self.record, self.record_path, self.device_batch_size, self.log = record, record_path, device_batch_size, log
-
-    def forward_backward(self, model, inputs, targets, autocast_ctx, step):
-        """
-        nanotrain.training.forward_backward of inputs, targets (int64 (N, T), N a multiple of the candidates up to
-        device_batch_size) at self.device_batch_size, except that if any rank runs out of memory, every rank zeroes the
-        gradients, steps down to the next smaller candidate and redoes the step on the same rows in more micro-batches
-        (same tokens, same result). Ranks agree after every micro-step (any_rank); under DDP the micro-steps skip DDP's
-        sync and the gradients are averaged at the end instead. After a step-down, rank 0 drops the cache entry, every
-        rank appends [step, old_size, new_size] to record["step_downs"], rank 0 rewrites record_path, and
-        self.device_batch_size is the new size. Returns the mean loss over the N rows (detached 0-dim tensor).
-        Raises UserError if the smallest candidate runs out of memory or the model is sharded with FSDP2 (a rank
-        failing inside its all-gathers cannot leave the others); non-OOM errors propagate.
-        """
-        if is_fsdp(model):
-            raise UserError("--fsdp=True: the out-of-memory step-down of --auto_batch_size is not available under FSDP "
-                            "(collectives inside forward/backward); use forward_backward")
-        is_ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        device = inputs.device
-        micro_batch_size = self.device_batch_size
-        while True:
-            n_micro = inputs.size(0) // micro_batch_size
-            loss_sum = torch.zeros((), device=device)
-            oom = False
-            for i in range(n_micro):
-                rows = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
-                if is_ddp:
-                    model.require_backward_grad_sync = False
-                try:
-                    with autocast_ctx:
-                        loss = model(inputs[rows], targets[rows])
-                    loss_sum += loss.detach()
-                    (loss / n_micro).backward()
-                except Exception as e:  # only OOM is recoverable; cleaned up below, outside the except block
-                    if not is_oom_error(e):
-                        raise
-                    oom = True
-                loss = None
-                oom = any_rank(oom, device)  # every rank redoes the step if one ran out of memory
-                if oom:
-                    break
-            if not oom:
-                break
-            model.zero_grad(set_to_none=True)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            smaller = next_smaller_candidate(self.record["candidates"], micro_batch_size)
-            if smaller is None:
-                raise UserError(f"out of memory at device_batch_size={micro_batch_size}, the smallest candidate; use "
-                                f"a smaller --max_seq_len or a smaller model")
-            self.log(f"out of memory at device_batch_size={micro_batch_size}: stepping down to {smaller} "
-                     f"(grad_accum_steps {n_micro} -> {inputs.size(0) // smaller}) and redoing this step")
-            micro_batch_size = smaller
-        if is_ddp:  # the sync DDP skipped: one all-reduce per gradient, then the mean
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            for h in [dist.all_reduce(g, async_op=True) for g in grads]:
-                h.wait()
-            torch._foreach_div_(grads, dist.get_world_size())
-        if micro_batch_size != self.device_batch_size:
-            self.record.setdefault("step_downs", []).append([step, self.device_batch_size, micro_batch_size])
-            self.device_batch_size = micro_batch_size
-            if not is_distributed() or dist.get_rank() == 0:
-                drop_cached(self.record["cache_key"])
-                if self.record_path is not None:
-                    atomic_write_json(self.record_path, self.record)
-        return loss_sum / n_micro

@@ -1,24 +1,94 @@
 """
-The LM head and its cross-entropy computed in chunks of tokens, so a training step never holds the (tokens, vocab)
-logits or their gradient: the memory of the head grows like the hidden states, not like tokens x vocab.
+The hand-written autograd functions of the model, each equal in value to a plain PyTorch expression and cheaper in
+memory than autograd's version of it:
+- norm (_RMSNorm): F.rms_norm(x, (x.size(-1),)), keeping x in its own dtype for backward;
+- relu_squared_proj (_ReluSquaredProj): F.relu(h).square() @ weight.T, keeping relu(h) but not its square;
+- linear_cross_entropy (_LinearCrossEntropy): F.cross_entropy(softcap(hidden @ weight.T), targets), in chunks of
+  tokens, never holding the (tokens, vocab) logits.
 
-For each chunk of rows the logits are computed, soft-capped, reduced to the loss, and (when a gradient is needed)
-turned at once into that chunk's share of the gradients of the hidden states and of the head weight; the chunk's
-logits are then freed. With reduction "mean" or "sum" the gradient is finished in the forward pass and backward only
-scales it by the incoming gradient, so the head costs the same three matmuls as the naive path (no recomputation);
-with reduction "none" the per-token log-sum-exp is kept and backward recomputes each chunk's logits. Pure PyTorch,
-the same code on every device, deterministic (a fixed loop, no atomics).
-
-The method of Liger Kernel's FusedLinearCrossEntropy (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for
-LLM Training") and of Cut Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language
-Models"), with the logit soft-cap z = c * tanh(a / c) of Gemma 2 folded in: dz/da = 1 - (z / c)^2.
-torch.nn.functional.linear_cross_entropy (torch 2.13) chunks the same way but has no soft-cap, and under
-torch.compile its chunked path falls back to eager; so nanotrain has its own.
+The chunked head: for each chunk of rows the logits are computed, soft-capped, reduced to the loss, and (when a
+gradient is needed) turned at once into that chunk's share of the gradients of the hidden states and of the head
+weight; the chunk's logits are then freed. With reduction "mean" or "sum" the gradient is finished in the forward
+pass and backward only scales it by the incoming gradient, so the head costs the same three matmuls as the naive path
+(no recomputation); with reduction "none" the per-token log-sum-exp is kept and backward recomputes each chunk's
+logits. Pure PyTorch, the same code on every device, deterministic (a fixed loop, no atomics). The method of Liger
+Kernel's FusedLinearCrossEntropy (Hsu et al. 2024, "Liger Kernel: Efficient Triton Kernels for LLM Training") and of
+Cut Cross-Entropy (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models"), with the logit
+soft-cap z = c * tanh(a / c) of Gemma 2 folded in: dz/da = 1 - (z / c)^2. torch.nn.functional.linear_cross_entropy
+(torch 2.13) chunks the same way but has no soft-cap, and under torch.compile its chunked path falls back to eager;
+so nanotrain has its own.
 """
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -1
+
+
+def norm(x):
+    """
+    Parameter-free RMSNorm over the last dimension (any shape, dtype preserved), computed in fp32 as F.rms_norm
+    does. For a bf16/fp16 x that needs a gradient, the backward keeps x itself and the fp32 1/rms (_RMSNorm), where
+    F.rms_norm's backward keeps an fp32 copy of x (twice the bytes; on CUDA autocast upcasts its input likewise).
+    """
+    if x.dtype == torch.float32 or not (torch.is_grad_enabled() and x.requires_grad):
+        return F.rms_norm(x, (x.size(-1),))
+    return _RMSNorm.apply(x)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """
+    y = x / sqrt(mean(x^2) + eps) in fp32, returned in x's dtype, eps = fp32 machine epsilon (F.rms_norm's default
+    for a bf16/fp16 input, computed in fp32): the same values as F.rms_norm. Saves x (its own dtype) and 1/rms
+    (fp32, one per row), the memory-efficient layout of Apex's FusedRMSNorm and Liger's RMSNorm; backward:
+    dx = r * (g - y * mean(g * y)) with r = 1/rms, y = x * r, all in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps)
+        ctx.save_for_backward(x, r)
+        return (xf * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, r = ctx.saved_tensors
+        y, g = x.float() * r, grad.float()
+        return (r * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
+
+
+class _ReluSquaredProj(torch.autograd.Function):
+    """
+    c_proj(relu(h)^2), i.e. relu(h).square() @ weight.T with weight (model_dim, 4 * model_dim) cast to h's dtype (the
+    autocast dtype when autocast is on: h is c_fc's output), same values as the two ops in eager. Backward keeps only
+    relu(h) and recomputes its square for the weight's gradient, where eager autograd keeps both (the "selective
+    activation recomputation" of Korthikanti et al. 2022, applied to the activation function): 8 bytes per token per
+    model_dim less under bf16. dL/dh = 2 relu(h) * (g @ weight); dL/dweight = g.T @ relu(h)^2.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight):
+        r = F.relu(h)
+        w = weight.to(h.dtype)
+        ctx.save_for_backward(r, w)
+        ctx.weight_dtype = weight.dtype
+        return r.square() @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        r, w = ctx.saved_tensors
+        g = grad.to(r.dtype)
+        grad_weight = (g.flatten(0, -2).t() @ r.square().flatten(0, -2)).to(ctx.weight_dtype)
+        return (g @ w).mul_(r).mul_(2), grad_weight
+
+
+def relu_squared_proj(h, weight):
+    """
+    F.relu(h).square() @ weight.T for h (..., 4 * model_dim) and weight (model_dim, 4 * model_dim) cast to h's dtype:
+    the MLP's second half (c_proj of relu(h)^2). Same values as the two ops in eager; see _ReluSquaredProj for memory.
+    """
+    return _ReluSquaredProj.apply(h, weight)
 
 
 def chunk_size_for(num_tokens, model_dim, vocab_size):

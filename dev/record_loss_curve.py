@@ -1,7 +1,7 @@
 """
 Records the reference loss curve that tests/test_convergence.py compares against (loss-curve regression):
 
-    python tests/record_loss_curve.py            # writes tests/data/loss_curve_tiny.json
+    python dev/record_loss_curve.py            # writes tests/data/loss_curve_tiny.json
 
 Re-record only on purpose, when a change is meant to alter the numerics (model, init, optimizer, schedule), and say
 so in the commit message. The curve is 50 optimizer steps of a tiny GPT (2 layers, model_dim 64, vocab 128, 32 tokens
@@ -23,10 +23,10 @@ import torch
 
 from nanotrain.common import seed_everything
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.training import forward_backward, lr_multiplier, muon_momentum, optimizer_step
+from nanotrain.training import forward_backward, lr_multiplier, micro_batches, muon_momentum, optimizer_step
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "loss_curve_tiny.json")
-COMMAND = "python tests/record_loss_curve.py"
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "loss_curve_tiny.json")
+COMMAND = "python dev/record_loss_curve.py"
 CONFIG = dict(max_seq_len=32, vocab_size=128, n_layer=2, n_head=2, n_kv_head=2, model_dim=64)
 SETTINGS = dict(steps=50, rows=8, micro_batch=4, seed=42, warmup_ratio=0.1, warmdown_ratio=0.2, final_lr_frac=0.0,
                 grad_clip=1.0, data_seed=1234)
@@ -71,7 +71,7 @@ def train_curve(seed=SETTINGS["seed"], steps=SETTINGS["steps"], lrm_fn=lr_multip
         for step in range(steps):
             rows = bigram_rows(step, s["rows"], CONFIG["max_seq_len"] + 1, CONFIG["vocab_size"], s["data_seed"])
             x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-            loss = forward_backward(model, x, y, s["micro_batch"], nullcontext())
+            loss = forward_backward(model, micro_batches(x, y, s["micro_batch"]), nullcontext())
             losses.append(loss.item())
             lrm = lrm_fn(step, steps, s["warmup_ratio"], s["warmdown_ratio"], s["final_lr_frac"])
             optimizer_step(model, optimizers, lrm, muon_momentum(step), s["grad_clip"])

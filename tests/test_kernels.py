@@ -1,4 +1,4 @@
-"""Tests for nanotrain/head_loss.py: the chunked LM head + cross-entropy against torch's naive path, on CPU."""
+"""Tests for nanotrain/kernels.py: the chunked LM head + cross-entropy against torch's naive path, on CPU."""
 
 import math
 
@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanotrain import head_loss
+from nanotrain import kernels as head_loss
 from nanotrain.gpt import GPT, SOFTCAP, GPTConfig
-from nanotrain.head_loss import chunk_size_for, linear_cross_entropy
+from nanotrain.kernels import chunk_size_for, linear_cross_entropy
 
 pytestmark = pytest.mark.unit
 

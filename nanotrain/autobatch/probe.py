@@ -1,9 +1,9 @@
 """
-The memory of one training step, in bytes: probe_step runs the memory-relevant part of an optimizer step on synthetic
-tokens; measure_fake_peak measures its peak without allocating it (FakeTensorMode + MemTracker); FakeProbe and
-RealProbe measure it at a given batch size (fake tensors on CPU/MPS, a real step on CUDA with out-of-memory errors
-caught); is_oom_error tells an out-of-memory error of any backend from every other error; device_memory_budget gives
-the bytes a step may use on a device. nanotrain.auto_batch_size searches the device batch size with these.
+The memory of one training step, in bytes: probe_step runs the training step itself (nanotrain.training's
+forward_backward, optimizer_step, forward_backward) on synthetic tokens; measure_fake_peak measures its peak without
+allocating it (FakeTensorMode + MemTracker); FakeProbe and RealProbe measure it at a given batch size (fake tensors on
+CPU/MPS, a real step on CUDA with out-of-memory errors caught); device_memory_budget gives the bytes a step may use on
+a device. nanotrain.autobatch.search searches the device batch size with these.
 """
 
 import contextlib
@@ -14,79 +14,40 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nanotrain.common import UserError, print0
+from nanotrain.training import forward_backward, is_oom_error, optimizer_step
 
 GiB = 2**30
 MiB = 2**20
 CPU_MEMORY_FRACTION = 0.5  # default CPU/MPS budget: this fraction of MemAvailable, split among the local ranks
 
-# Out-of-memory messages, matched as substrings of str(exc) for RuntimeError and its subclasses (torch.OutOfMemoryError
-# and torch.AcceleratorError both subclass RuntimeError in torch 2.13). (marker, where the string comes from)
-OOM_MESSAGES = (
-    ("CUDA out of memory.", "pytorch c10/cuda/CUDACachingAllocator.cpp (TORCH_CHECK_WITH(OutOfMemoryError, ...)), "
-                            "raised as torch.OutOfMemoryError"),
-    ("CUDA error: out of memory", "pytorch C10_CUDA_CHECK (c10/cuda/CUDAException.cpp): 'CUDA error: ' + "
-                                  "cudaGetErrorString(cudaErrorMemoryAllocation), torch.AcceleratorError on recent "
-                                  "torch; also matched by Composer's auto microbatching"),
-    ("HIP out of memory.", "the hipified CUDACachingAllocator of ROCm builds (torch.OutOfMemoryError)"),
-    ("HIP error: out of memory", "C10_HIP_CHECK, the hipified C10_CUDA_CHECK of ROCm builds"),
-    ("XPU out of memory.", "pytorch c10/xpu/XPUCachingAllocator.cpp (TORCH_CHECK_WITH(OutOfMemoryError, ...))"),
-    ("Allocation is out of device memory on current platform.",
-     "intel-extension-for-pytorch csrc/gpu/utils/DPCPP.h (std::runtime_error -> RuntimeError); matched by OTX's "
-     "adaptive batch size"),
-    ("MPS backend out of memory", "pytorch aten/src/ATen/mps/MPSAllocator.mm (TORCH_CHECK -> RuntimeError)"),
-    ("DefaultCPUAllocator: can't allocate memory", "pytorch c10/core/impl/alloc_cpu.cpp; the string is in the "
-                                                  "installed libc10.so (torch 2.13) and torch.empty(2**50) raises it "
-                                                  "as a plain RuntimeError (measured)"),
-)
-
-
-def is_oom_error(exc):
-    """
-    True if `exc` is an out-of-memory error of some accelerator: a torch.OutOfMemoryError (alias
-    torch.cuda.OutOfMemoryError), or a RuntimeError (torch.AcceleratorError included) whose message contains one of
-    OOM_MESSAGES (CUDA, ROCm/HIP, XPU, MPS, CPU allocator). Everything else is False and must propagate: treating any
-    error as "too big" hides real bugs (Lightning's is_oom_error only knows CUDA and misses XPU and MPS).
-    """
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    msg = str(exc)
-    return any(marker in msg for marker, _ in OOM_MESSAGES)
-
-
 def probe_step(model, optimizers, batch_size, max_seq_len, vocab_size, *, device, amp_dtype=None, generator=None,
-               on_micro_step=None, optimizer_step=True):
+               on_micro_step=None, optimizer_step_on=True):
     """
-    One probe = the memory-relevant part of a training optimizer step, on synthetic tokens: micro-step (forward +
-    backward of loss/2), micro-step (loss/2, gradients accumulate), clip_grad_norm_(1.0), step() of every optimizer
-    (creates the lazy optimizer state, absent before the first step), model.zero_grad(set_to_none=True), one more
-    micro-step (activations while the optimizer state is alive).
+    One probe = the training step that decides the memory, on synthetic tokens: nanotrain.training.forward_backward
+    of two micro-batches (gradients accumulate), optimizer_step with gradient clipping at 1 (creates the lazy
+    optimizer state, absent before the first step, and zeroes the gradients), then forward_backward of one more
+    micro-batch (activations while the optimizer state is alive).
     model(idx, targets) must return the scalar loss; idx, targets: int64 (batch_size, max_seq_len) drawn with
     torch.randint from `generator` (a torch.Generator on device's type; the global RNG is not used).
-    amp_dtype: the compute dtype: torch.bfloat16 runs under autocast, None or torch.float32 without. on_micro_step: called after each micro-step
-    (MemTracker.reset_mod_stats). optimizer_step=False skips the optimizer step (only to show that such a probe
-    underestimates). Returns None; raises whatever the step raises (OOM included).
+    amp_dtype: the compute dtype: torch.bfloat16 runs under autocast, None or torch.float32 without. on_micro_step:
+    called after each micro-step (MemTracker.reset_mod_stats). optimizer_step_on=False skips the optimizer step
+    (only to show that such a probe underestimates). Returns None; raises whatever the step raises (OOM included).
     """
     device = torch.device(device)
+    autocast_ctx = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype not in (None, torch.float32))
 
-    def micro_step(scale):
+    def batch():
         idx = torch.randint(0, vocab_size, (batch_size, max_seq_len), generator=generator, device=device)
         targets = torch.randint(0, vocab_size, (batch_size, max_seq_len), generator=generator, device=device)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype not in (None, torch.float32)):
-            loss = model(idx, targets)
-        (loss * scale).backward()
-        if on_micro_step is not None:
-            on_micro_step()
+        return {"x": idx, "y": targets}
 
-    micro_step(0.5)
-    micro_step(0.5)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    if optimizer_step:
-        for opt in optimizers:
-            opt.step()
-    model.zero_grad(set_to_none=True)
-    micro_step(1.0)
+    forward_backward(model, [batch(), batch()], autocast_ctx, on_micro_step=on_micro_step)
+    if optimizer_step_on:
+        optimizer_step(model, optimizers, None, None, 1.0, skip_nonfinite=False)
+    else:  # the same clipping and zeroing, without the step
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        model.zero_grad(set_to_none=True)
+    forward_backward(model, [batch()], autocast_ctx, on_micro_step=on_micro_step)
 
 
 def _peak_tracker():
@@ -147,7 +108,7 @@ def measure_fake_peak(build_probe, batch_size, *, max_seq_len, vocab_size, devic
         tracker.track_external(model, *optimizers)
         with tracker:
             probe_step(model, optimizers, batch_size, max_seq_len, vocab_size, device=device, amp_dtype=amp_dtype,
-                       generator=generator, on_micro_step=tracker.reset_mod_stats, optimizer_step=optimizer_step)
+                       generator=generator, on_micro_step=tracker.reset_mod_stats, optimizer_step_on=optimizer_step)
         extra = _ddp_bucket_bytes(model) if world_size > 1 else 0
     return _tracker_peak_bytes(tracker) + extra
 

@@ -1,7 +1,7 @@
 """
 Mutation score (mutmut) of each module of [tool.mutation_score.modules] in pyproject.toml, against its own tests.
 
-Usage: `python scripts/mutation_score.py [nanotrain/sft_data.py ...]` (all modules by default).
+Usage: `python dev/mutation_score.py [nanotrain/sft_data.py ...]` (all modules by default).
 
 For each module of [tool.mutation_score.modules] in pyproject.toml (module -> its own test files), copies the
 repository's files (git ls-files: tracked and untracked-not-ignored) into mutants/<module name>/, rewrites the copy's
@@ -62,7 +62,7 @@ def run_module(module, tests, max_children, again=False, skip=()):
     in mutants/<name>/, refresh its tests/ and its test selection from the repository and re-run only the mutants not killed (after adding
     tests for survivors: tests are only added, so a killed mutant stays killed). skip: mutant-name globs that
     --again leaves unchecked (reported as such)."""
-    work = os.path.join(REPO, "mutants", os.path.splitext(os.path.basename(module))[0])
+    work = os.path.join(REPO, "mutants", module.removesuffix(".py").replace("/", "_").replace("*", "all"))
     names = []
     if again and os.path.isdir(work):
         shutil.copytree(os.path.join(REPO, "tests"), os.path.join(work, "tests"), dirs_exist_ok=True)

@@ -2,7 +2,7 @@
 Benchmark of automatic device batch size: tokens/s of the same training (same model, same total batch, same data)
 at a manual small device_batch_size and at the one auto-discovery finds, on this machine. Prints one JSON object.
 
-    python scripts/bench_auto_batch.py --depth=4 --max_seq_len=128 --total_batch_size=4096 --device_memory_gb=2
+    python dev/bench_auto_batch.py --depth=4 --max_seq_len=128 --total_batch_size=4096 --device_memory_gb=2
 
 Synthetic tokens (no tokenizer or dataset needed); each setting builds the model from the same seed, runs one
 untimed warm-up step and `steps` timed optimizer steps with nanotrain.training's forward_backward / optimizer_step
@@ -16,11 +16,12 @@ import time
 
 import torch
 
-from nanotrain.auto_batch_size import discover_device_batch_size, gpt_builder
+from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.common import UserError, autodetect_device_type, run_script, synchronize
 from nanotrain.configurator import configure
 from nanotrain.gpt import config_from_depth
-from nanotrain.training import forward_backward, optimizer_step, precision
+from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 
 depth = 4  # model depth (model_dim = 64 * depth)
 max_seq_len = 128  # tokens per row
@@ -48,7 +49,7 @@ def run_setting(build_probe, device, batch_size, autocast_ctx):
         if i == 1:
             synchronize(device)
             t0 = time.perf_counter()
-        loss = forward_backward(model, batch[0], batch[1], batch_size, autocast_ctx)
+        loss = forward_backward(model, micro_batches(batch[0], batch[1], batch_size), autocast_ctx)
         optimizer_step(model, optimizers, lrm=1.0, momentum=0.95, grad_clip=1.0)
         losses.append(loss.item())
     synchronize(device)

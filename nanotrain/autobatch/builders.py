@@ -1,0 +1,56 @@
+"""
+The models the automatic batch size probes: build_probe(device) -> (model, optimizers) exactly as a stage trains
+them (gpt_builder for base_train and mid_train, sft_builder for chat_sft's packed or padded rows), each carrying the
+key_fields that tell its cache entries apart.
+"""
+
+import torch
+
+from nanotrain.gpt import GPT
+
+
+def gpt_builder(model_config, *, activation_checkpointing=False, **optimizer_kwargs):
+    """
+    A build_probe(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
+    FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it, fresh
+    optimizers from setup_optimizers(**optimizer_kwargs); advances torch's global RNG. It carries `key_fields` (GPT
+    config, activation checkpointing, optimizer arguments) for the cache key, so another model never hits its entry.
+    """
+    def build_probe(device):
+        with torch.device(device):
+            model = GPT(model_config)
+        model.init_weights()
+        model.activation_checkpointing = bool(activation_checkpointing)
+        return model, model.setup_optimizers(**optimizer_kwargs)
+
+    build_probe.key_fields = {"gpt_config": dict(vars(model_config)), "optimizer_kwargs": dict(optimizer_kwargs),
+                              "activation_checkpointing": bool(activation_checkpointing)}
+    return build_probe
+
+
+class PackedRows(torch.nn.Module):
+    """The memory shape chat_sft trains, for the probes: (B, T) rows as one packed row of B*T tokens in B segments
+    (block-diagonal attention), or as B padded rows with packing=False."""
+
+    def __init__(self, model, packing):
+        super().__init__()
+        self.model, self.packing = model, packing
+
+    def forward(self, x, y):
+        if not self.packing:
+            return self.model(x, y)
+        B, T = x.shape
+        doc_ids = torch.arange(B, device=x.device).repeat_interleave(T).view(1, B * T)
+        return self.model(x.reshape(1, B * T), y.reshape(1, B * T), doc_ids=doc_ids)
+
+
+def sft_builder(model_config, packing, activation_checkpointing=False, **optimizer_kwargs):
+    """build_probe(device) -> (PackedRows(GPT), [adamw, muon]) for chat_sft: gpt_builder's model wrapped in
+    PackedRows; key_fields also hold `packing`."""
+    build_gpt = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **optimizer_kwargs)
+
+    def build_probe(device):
+        model, optimizers = build_gpt(device)
+        return PackedRows(model, packing), optimizers
+    build_probe.key_fields = {**build_gpt.key_fields, "packing": packing}
+    return build_probe

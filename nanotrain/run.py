@@ -1,0 +1,205 @@
+"""
+A run directory's life (<base_dir>/<stage>/<run>/): created and locked by the one process that trains it
+(lock_run_dir), its config.json and metrics.jsonl (open_run_log, MetricsLog), the step's log line (step_log_line),
+and the end of a stage (finish_run: the replica check under DDP, the summary, the report card's section).
+What is inside checkpoints/ is nanotrain.checkpoint's.
+"""
+
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.common import UserError, any_rank, atomic_write_json, get_base_dir, is_distributed, print0
+from nanotrain.fsdp import is_fsdp
+from nanotrain.report import write_section
+
+try:  # POSIX (Linux, macOS); elsewhere runs are not locked
+    import fcntl
+except ImportError:
+    fcntl = None
+
+LOCK_FILE = ".lock"
+_held_locks = {}  # real path of a run directory -> the open lock file this process holds until it exits
+
+
+def get_run_dir(stage, run):
+    """<base_dir>/<stage>/<run>, created if missing. stage is "base", "mid" or "sft"."""
+    path = os.path.join(get_base_dir(), stage, run)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def lock_run_dir(run_dir, device, rank=0):
+    """
+    Makes this process the only writer of `run_dir` until it exits: rank 0 takes an exclusive fcntl.flock on
+    <run_dir>/.lock and writes its pid, host, start time and command line into it. The kernel releases the lock
+    however the process ends (SIGKILL included), so a finished or killed run never blocks the next one. Collective
+    under DDP (every rank calls it; `device` carries the agreement). Taking it again in the same process is a no-op.
+    Raises UserError naming the holder (pid, host, start, command) when another process holds the lock.
+    """
+    key = os.path.realpath(run_dir)
+    taken, holder = True, ""
+    if rank == 0 and fcntl is not None and key not in _held_locks:
+        f = open(os.path.join(run_dir, LOCK_FILE), "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            taken = False
+        else:
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+                    f"{' '.join(sys.argv)}\n")
+            f.flush()
+            _held_locks[key] = f
+    if any_rank(not taken, device):
+        raise UserError(f"the run directory {run_dir} is in use by {holder or 'another process'}; wait for it to "
+                        f"end or choose another --run_name")
+
+
+class MetricsLog:
+    """
+    metrics.jsonl in the run directory, one JSON object per line, written by rank 0. A fresh run starts it empty; a
+    resumed run keeps the rows before the step it resumes from and that step's training row (rows with "dt"); the
+    evaluation rows of that step and everything later are dropped, because the resumed run evaluates at its first
+    step again (the saving run may or may not have: a regular save comes before the evaluation, a stop request
+    saves and leaves before it), so every evaluation appears exactly once.
+
+    On resume, an unparseable last line is the torn row of a killed run and is dropped. Any other line that is not a
+    JSON object with an int "step" (a file rewritten as one JSON list, rows of another tool) cannot be placed before
+    or after the resume step: the resume stops with UserError naming file:line, before anything is changed, so the
+    user decides what becomes of those rows (repair or remove them, then resume again).
+    """
+
+    def __init__(self, run_dir, resume_step=None, master=True):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.file = None
+        if not master:
+            return
+        if resume_step is None:
+            if os.path.exists(self.path):
+                os.remove(self.path)
+        elif os.path.exists(self.path):
+            with open(self.path, encoding="utf-8", errors="surrogateescape") as f:
+                lines = [(n, ln if ln.endswith("\n") else ln + "\n") for n, ln in enumerate(f, 1) if ln.strip()]
+            keep = []
+            for i, (number, line) in enumerate(lines):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    if i == len(lines) - 1:  # the torn last row of a killed run
+                        continue
+                    row = None
+                if not (isinstance(row, dict) and type(row.get("step")) is int):
+                    raise UserError(f"{self.path}:{number}: expected a JSON object with an int \"step\", got "
+                                    f"{line.strip()[:60]!r}; nothing was changed: repair or remove that line, then "
+                                    f"resume again")
+                if row["step"] < resume_step or (row["step"] == resume_step and "dt" in row):
+                    keep.append(line)
+            with open(self.path + ".tmp", "w", encoding="utf-8", errors="surrogateescape") as f:
+                f.writelines(keep)
+            os.replace(self.path + ".tmp", self.path)
+        self.file = open(self.path, "a")
+
+    def log(self, **row):
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+
+
+def open_run_log(run_dir, settings, resume_step, master):
+    """
+    The start of a stage's records: prints the run directory and (rank 0) the final settings, writes them to
+    <run_dir>/config.json atomically, and returns the MetricsLog of the run (resume_step: the step a resumed run
+    continues from, None for a fresh run).
+    """
+    print0(f"Run directory: {run_dir}")
+    metrics = MetricsLog(run_dir, resume_step, master)  # first: a metrics.jsonl it refuses leaves config.json as it was
+    if master:
+        print0("Config: " + json.dumps(settings, sort_keys=True))
+        atomic_write_json(os.path.join(run_dir, "config.json"), settings)
+    return metrics
+
+
+def finish_run(model, run_dir, stage, metrics, t_start, summary):
+    """
+    The end of a training stage: checks that DDP replicas agree (check_replicas), prints the stage's summary line
+    and where the outputs are, closes the metrics log and writes the stage's section of the report card
+    (nanotrain.report.write_section, rank 0) with the stage's wall time since t_start (time.time() seconds).
+    """
+    check_replicas(model)
+    print0(summary)
+    print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
+    metrics.close()
+    report = write_section(os.path.basename(run_dir), stage, run_dir, {"wall_time_s": time.time() - t_start})
+    if report:  # rank 0 only
+        print0(f"Report card: {report}")
+
+
+def save_due(step, last_step, save_every, resume_step=None):
+    """
+    True if a stage's loop saves a checkpoint at `step` (checked first thing at each step, before its evaluation, so
+    that a crash there never loses the training): at the last step (the end, or a stop request), and every
+    `save_every` steps (<= 0: never), except at step 0 and at `resume_step`, the step a resumed run starts from,
+    whose checkpoint exists already (None: a fresh run). The one rule every stage saves by.
+    """
+    if step == 0:
+        return False
+    if last_step:
+        return True
+    return save_every > 0 and step % save_every == 0 and step != resume_step
+
+
+def check_replicas(model):
+    """
+    Under DDP: compares a float64 checksum of every parameter across ranks and raises RuntimeError if any rank's
+    parameters differ (replica drift). Returns the checksum (float); a no-op returning None without DDP. Under FSDP2
+    (sharded parameters, no replicas; a full_tensor() is the same all-gather on every rank) nothing is compared: it
+    prints a note, waits at a barrier like the DDP path and returns None.
+    """
+    if not is_distributed():
+        return None
+    if is_fsdp(model):
+        print0("Replica check: skipped under FSDP (parameters are sharded across ranks, not replicated)")
+        dist.barrier()
+        return None
+    with torch.no_grad():
+        checksum = sum((p.double().flatten() * torch.linspace(1, 2, p.numel(), dtype=torch.float64,
+                        device=p.device)).sum() for p in model.parameters())
+    sums = [torch.zeros_like(checksum) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, checksum)
+    if any(s.item() != sums[0].item() for s in sums):
+        raise RuntimeError(f"parameters differ across ranks: checksums {[s.item() for s in sums]}")
+    print0(f"Replica check: parameters identical on all {len(sums)} ranks (checksum {sums[0].item():.10e})")
+    dist.barrier()  # every rank is done communicating before any of them tears the process group down
+    return sums[0].item()
+
+
+def step_log_line(step, total_steps, *, loss, grad_norm, lrm, dt, tokens, flops_per_token, peak_flops, world_size):
+    """
+    The one-line log of optimizer step `step` of `total_steps` and its metrics row (a dict: step, loss, lrm, dt,
+    tok_per_sec, mfu). loss: the global mean (float); grad_norm: float or None (not shown); lrm: the lr multiplier;
+    dt: the step's wall time in seconds; tokens: the tokens of the step on all ranks; flops_per_token: training FLOPs
+    per token; peak_flops: one device's peak FLOP/s. Returns (line, row).
+    """
+    tok_per_sec = tokens / dt
+    mfu = flops_per_token * tokens / dt / (peak_flops * world_size)
+    eta = (total_steps - step) * dt
+    gn = f" | grad norm {grad_norm:.3f}" if grad_norm is not None else ""
+    line = (f"step {step:05d}/{total_steps:05d} ({100 * step / total_steps:.1f}%) | loss {loss:.6f}{gn} | "
+            f"lrm {lrm:.3f} | dt {dt * 1000:.1f}ms | tok/s {tok_per_sec:,.0f} | mfu {100 * mfu:.1f}% | "
+            f"eta {eta / 60:.1f}m")
+    row = dict(step=step, loss=loss, lrm=lrm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
+    return line, row

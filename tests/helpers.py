@@ -1,0 +1,80 @@
+"""
+Helpers the tests share (imported as `from helpers import ...`; fixtures stay in conftest.py): the repository root,
+the tiny base_train configuration of the smoke tests, running a script through the command line, the numeric tests'
+tiny model, gradients as one tensor, a relative distance, and SFT's backward as chat_sft runs it.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.sft_data import global_target_count, token_loss_scale
+from nanotrain.training import forward_backward
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_VOCAB = 512  # tokenizer vocab (including the 9 special tokens) of the test runs
+# the tiny base_train configuration the smoke tests use (seconds on 2 cores)
+TINY_TRAIN = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512",
+              "--eval_tokens=2048", "--eval_every=-1", "--sample_every=-1", "--save_every=-1", "--keep_last=0"]
+
+
+def run_script(script, *args, base_dir, nproc=1, timeout=300, env=None):
+    """
+    Runs scripts/<script> through the command line (python, or torchrun --standalone with nproc > 1 on gloo)
+    with NANOTRAIN_BASE_DIR=base_dir. Returns the CompletedProcess (stdout and stderr as text).
+    """
+    path = os.path.join(REPO, "scripts", script)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path]
+    else:
+        cmd = [sys.executable, path]
+    full_env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {})
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def copy_run(src_base, dst_base, stage, run):
+    shutil.copytree(os.path.join(src_base, stage, run), os.path.join(dst_base, stage, run))
+
+
+def tiny_model(seed=0):
+    """A 2-layer GPT (vocab 64, 16 positions) with every weight nonzero, seeded: the numeric tests' model."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(max_seq_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, model_dim=32))
+    model.init_weights()
+    with torch.no_grad():  # give the zero-initialised projections some weight so every path matters
+        for name, p in model.named_parameters():
+            if "c_proj" in name or "lm_head" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def grads(model):
+    """All parameter gradients as one flat tensor."""
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def rel(a, b):
+    """Relative distance |a - b| / |b| (float)."""
+    return ((a - b).norm() / b.norm()).item()
+
+
+def sft_backward(model, batches, autocast_ctx=None):
+    """
+    chat_sft's backward of one step's micro-batches (sft_data.micro_batch dicts): the global target count first
+    (global_target_count, one all-reduce), then forward_backward with loss_scale = token_loss_scale(count, W), W the
+    world size when `model` is DistributedDataParallel, else 1. Returns (scaled loss: 0-dim tensor, count: int);
+    nothing runs when count is 0 (the scaled loss is then 0).
+    """
+    device = batches[0]["x"].device
+    count = global_target_count(sum(b["targets"] for b in batches), device)
+    if count == 0:
+        return torch.zeros((), device=device), 0
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    scale = token_loss_scale(count, torch.distributed.get_world_size() if ddp else 1)
+    return forward_backward(model, batches, autocast_ctx or nullcontext(), loss_scale=scale), count
