@@ -364,7 +364,7 @@ def fast_bf16(device):
     fp32). Where the CPU lists its flags (Linux on x86: cpu_flags), native means the avx512_bf16 or amx_bf16 flag,
     so the answer is the same in every process whatever else the machine is doing (a timing under load could flip
     it, and a resumed run would then compute differently). Where it lists none, a (512, 512) bf16 matmul must measure
-    at least 2x the fp32 throughput (the 2x bar keeps the answer stable under timing noise; ~0.1 s).
+    at least 2x the fp32 throughput, each timed for 0.05 s (the 2x bar keeps the answer stable under timing noise).
     Settled once per process and device type, with any dispatch mode (FakeTensorMode, MemTracker) switched off. Under
     torch.distributed on CPU the ranks agree (one all-reduce MIN: False unless every rank found fast bf16), so DDP
     replicas run the same numerics; the first call on CPU is then collective: every rank must make it.

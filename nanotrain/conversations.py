@@ -115,7 +115,7 @@ def load_hf(name_or_path, split, skip_bad_rows=False):
     UserError("{name}[{hf split}] row {i}: what is wrong") unless skip_bad_rows. Raises UserError when the hub is not
     reachable (fails within ~5 s; HF_HUB_OFFLINE=1 uses the cache only) or the data set cannot be loaded.
     """
-    import datasets  # here, not at the top: it loads ~800 modules (pandas, pyarrow, ...), needed by hf: only
+    import datasets  # here, not at the top: it loads many modules (pandas, pyarrow, ...), needed by hf: only
     if split not in ("train", "val"):
         raise UserError(f"split={split!r}: expected 'train' or 'val'")
     cache_dir = os.path.join(get_base_dir(), "hf_datasets")

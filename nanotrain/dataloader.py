@@ -16,10 +16,11 @@ length), and when none fits the shortest one is cut to fill the row exactly. No 
 what becomes of the part of a piece that was cut off:
 - "best_fit" puts it back into the buffer as a piece of its own, so no token is lost and a document is cut only where
   it must be (the idea of Ding et al. 2024, "Fewer Truncations Improve Language Modeling"); such a piece can head a
-  row, so about half the rows start at a BOS on the builtin corpus at max_seq_len 256 (contiguous rows: 0.5%);
+  row, so not every row starts at a BOS;
 - "bos_aligned" drops it (nanochat 2026's loader): every row starts at a document's BOS, at the price of the dropped
-  tokens, which on the builtin corpus at max_seq_len 256 are about half of them (most of its tokens are in documents
-  longer than a row).
+  tokens (the cut-off parts of documents longer than the room left in a row).
+How many rows start at a BOS and how many tokens are dropped on the builtin corpus: dev/LOG.md, "Row packings on the
+builtin corpus".
 The state is the reading position plus the buffered pieces' tokens, so resume is exact here too, and n rows at once
 are the same rows as n calls of one.
 

@@ -6,8 +6,8 @@ Data sources (the --data setting of the scripts):
   (pydoc_data.topics, one document per topic) and the docstrings of the standard library, read from the .py sources
   with `ast` (no module is imported). One document per module (module docstring + its functions' docstrings) and one
   per top-level class (class + method docstrings), each headed by its qualified name and cut into consecutive parts
-  of about 2,000+ characters when long. About 2.2K documents / 2.3M characters (CPython 3.11). Shuffled with
-  random.Random(42) (exact duplicates dropped), 5% held out for validation, written once as parquet shards under <base_dir>/data/builtin/.
+  of about 2,000+ characters when long. Shuffled with random.Random(42) (exact duplicates dropped), 5% held out for
+  validation, written once as parquet shards under <base_dir>/data/builtin/.
 - a local directory (its files, not recursive), a glob, or a single file, of:
   .parquet (a `text` column; one document per row), .jsonl (one JSON object per non-blank line with a "text" string),
   .txt (the whole file is one document). Files whose basename starts with "val" are the validation split and the
@@ -264,7 +264,7 @@ def _check_reachable(endpoint, timeout=5.0):
 def _download_fineweb_shard(filename, local_dir):
     """
     hf_hub_download of one shard into local_dir. Fails fast with a UserError when offline: at once when
-    HF_HUB_OFFLINE is set, after a 5 s TCP check of the endpoint otherwise (huggingface_hub itself retries for ~25 s).
+    HF_HUB_OFFLINE is set, after a 5 s TCP check of the endpoint otherwise (instead of huggingface_hub's own retries).
     """
     def fail(why):
         return UserError(f"could not download fineweb-edu shard {filename} from the Hugging Face hub ({why}); "

@@ -11,7 +11,7 @@ Muon gathers each matrix's update itself (nanotrain.muon); AdamW works on the sh
 gathered into exactly the files a DDP or single-process run writes (nanotrain.checkpoint), so runs can switch modes.
 torch.compile composes: scripts compile the sharded root; FSDP2's hooks are excluded from Dynamo tracing
 (torch._dynamo.disable), so the graph breaks at each block's all-gather and the blocks compile as separate graphs.
-torch.distributed.fsdp/.tensor take over a second to import: they are imported inside the functions.
+torch.distributed.fsdp/.tensor are slow to import: they are imported inside the functions.
 """
 
 from contextlib import contextmanager

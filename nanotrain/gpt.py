@@ -5,7 +5,7 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - pre-norm blocks, no biases, ReLU^2 MLP with 4x width (So et al. 2021, "Primer"), untied wte / lm_head
 - logit soft-cap 15 * tanh(logits / 15) in fp32 (Gemma 2 / modded-nanogpt), optional GQA (Ainslie et al. 2023)
 - zero-initialised output projections; Muon for block matrices, AdamW for the embeddings, lm_head and scalars.
-- options (GPTConfig; on by default where they won on our configs, README "Ablations"): value embeddings on every
+- options (GPTConfig; each default's evidence: dev/LOG.md, "The ablation table in one stack"): value embeddings on every
   other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear (default off), backout, x0 /
   resid lambdas, rotary_base and qk_scale.
 - packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
@@ -49,7 +49,7 @@ class GPTConfig:
     n_head: int = 6  # query heads
     n_kv_head: int = 6  # key/value heads (GQA when < n_head)
     model_dim: int = 768
-    # architecture options; the defaults are the measured winners (README, "Ablations": each one on and off)
+    # architecture options; each default's evidence: dev/LOG.md, "The ablation table in one stack"
     value_embeds: bool = True  # token-indexed tables added to V through a per-head gate, on alternating layers
     smear: bool = False  # a gated share of the previous token's embedding added to each token's
     backout: bool = False  # subtract a learned share of the middle layer's output before the head
@@ -172,7 +172,7 @@ class GPT(nn.Module):
         self.activation_checkpointing = False
         self.loss_chunk_size = None  # tokens per chunk of the head's loss; None: kernels.chunk_size_for the shapes
         self.head_dim = c.model_dim // c.n_head
-        # on the meta device nn.Embedding's own init would import torch._dynamo (a measured start-up cost) for
+        # on the meta device nn.Embedding's own init would import torch._dynamo (a slow import) for
         # nothing: hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
         w = torch.empty(c.vocab_size, c.model_dim)
         self.wte = nn.Embedding(c.vocab_size, c.model_dim, _weight=w) if w.is_meta else nn.Embedding(c.vocab_size,

@@ -107,8 +107,8 @@ def _chunk_logits(hidden, weight, softcap):
     """
     fp32 logits (rows, vocab) of hidden (rows, d) @ weight (vocab, d).T (one compute dtype), soft-capped. On CPU the
     cap c * tanh(a / c) is computed as c - 2c / (exp(2a / c) + 1), the same function (equal to fp32 roundoff; exp
-    overflowing to inf gives c), because torch's CPU tanh costs ~2.6x those five in-place passes (a chunk of 256 x
-    4,096 logits: 2.4 ms against 0.9 ms on one core); on GPUs, where each pass costs memory traffic, tanh it is.
+    overflowing to inf gives c), because torch's CPU tanh is slower than those five in-place passes (dev/LOG.md,
+    "Where a step's time goes"); on GPUs, where each pass costs memory traffic, tanh it is.
     """
     z = (hidden @ weight.t()).float()
     if softcap and z.device.type == "cpu":

@@ -92,7 +92,7 @@ def orthogonalize(update, steps=5, dtype=None, polar_express=False, then=None):
     statistics need whole rows and columns).
     Returns a tensor (or DTensor with update's placements) of update's shape in the Newton-Schulz compute dtype.
     """
-    dtensor = sys.modules.get("torch.distributed.tensor")  # only loaded (a second to import) when DTensors exist
+    dtensor = sys.modules.get("torch.distributed.tensor")  # only loaded (a slow import) when DTensors exist
     if dtensor is None or not isinstance(update, dtensor.DTensor):
         out = zeropower_via_newtonschulz5(update, steps, dtype, polar_express)
         return then(out) if then is not None else out
@@ -139,7 +139,7 @@ class Muon(torch.optim.Optimizer):
     Cautious weight decay ("Cautious Weight Decay", Chen et al. 2025, arXiv:2510.12402) decays only the entries whose
     update already moves them towards zero; it scales with the scheduled lr, so it decays with it.
     ns_dtype: the Newton-Schulz compute dtype, "float32" or "bfloat16" ("" or None: ns_dtype_for the parameter's
-    device, measured on CPU); a string so the optimizer state stays loadable with torch.load(weights_only=True).
+    device: nanotrain.common.fast_bf16); a string so the optimizer state stays loadable with torch.load(weights_only=True).
     lr, momentum and weight_decay are read from the param group at every step (schedules may change them, e.g. the
     momentum warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped. state_dict/load_state_dict are the
     standard torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p, and with beta2 > 0

@@ -3,7 +3,7 @@ SIGINT and SIGTERM as a request to stop, for the training scripts: the first one
 finishes its step, saves a checkpoint and exits 0 (a second SIGINT raises KeyboardInterrupt at once).
 
 Importing this module installs the handlers. It imports nothing but the standard library, so a training script that
-imports it first (before torch, whose import takes a second or more) treats a signal during its start-up as a request
+imports it first (before torch, which is slow to import) treats a signal during its start-up as a request
 too, instead of dying with the signal before anything is saved; the loop then stops after its first step.
 """
 

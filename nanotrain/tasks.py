@@ -11,8 +11,7 @@ Each built-in conversation carries its reference: "answer" (arith, spell) or "ke
 grade() also grades any other conversation against its last assistant message. JSONL and Hugging Face sources and
 task mixtures are in nanotrain.conversations.
 
-Sizes: TRAIN_ROWS / VAL_ROWS below; conversations are 30-90 tokens long, and the CPU recipe's mid-training + SFT
-sees each built-in training row a few times.
+Sizes: TRAIN_ROWS / VAL_ROWS below.
 """
 
 import random
@@ -100,7 +99,7 @@ COUNT_QUESTIONS = ['How many times does the letter "{c}" appear in "{w}"?', "How
 def spell_vocabulary():
     """
     The words of the spelling task: lowercase a-z words of 3-10 letters that occur >= SPELL_MIN_COUNT times in the
-    builtin training corpus (built on first use), most frequent first (ties alphabetical). About 3,000 words.
+    builtin training corpus (built on first use), most frequent first (ties alphabetical).
     Deterministic for a given Python installation (the corpus is its documentation).
     """
     lo, hi = SPELL_WORD_LEN

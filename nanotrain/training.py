@@ -96,8 +96,8 @@ def muon_weight_decay_for(model_dim):
     """
     The default Muon (cautious) weight decay of a model of width `model_dim`: 0.4 up to model_dim 512, then shrinking
     with the width squared, 0.4 * (512 / model_dim)^2 (0.064 at 1280). Above 512 it follows nanochat's sweeps (~0.40
-    at model_dim 512, ~0.08 at 1280); below 512 the square would keep growing (1.6 at 256), which helped this repo's
-    100-step runs but hurt its 400-step CPU recipe, so it is capped.
+    at model_dim 512, ~0.08 at 1280); below 512 it is capped at 0.4 instead of following the square (1.6 at 256):
+    dev/LOG.md, "Muon weight decay capped at 0.4 (a decision)".
     """
     return 0.4 * min(1.0, (512 / model_dim) ** 2)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU recipe: build the builtin corpus (offline), train a tokenizer, pretrain a small GPT, evaluate it (val bpb),
 # sample from it, then mid-train and SFT it into a tiny chat model, evaluate that on the built-in tasks and ask it a
-# question, and write the report card. About 7 minutes on 2 cores (torch 2.13 CPU, bf16 matmuls). Outputs go to
+# question, and write the report card. About 10 minutes on 2 cores (torch 2.13 CPU, bf16 matmuls). Outputs go to
 # $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
 #   bash runs/cpu.sh
 set -euo pipefail

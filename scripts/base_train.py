@@ -58,52 +58,52 @@ run_name = ""  # outputs go to <base_dir>/base/<run_name>; "" means d<depth> (no
 data = "builtin"  # training text: builtin (offline), fineweb-edu, or a local directory/glob of parquet/jsonl/txt
 row_packing = "contiguous"  # training rows: contiguous | best_fit | bos_aligned (nanotrain/dataloader.py)
 device_type = ""  # cuda | mps | cpu; "" autodetects
-seed = 42  # seed of the weight initialisation
+seed = 42  # int: seed of the weight initialisation
 # model
-depth = 20  # n_layer; model_dim = depth * 64, head dim 128 (fewer heads for small models)
-max_seq_len = 2048  # tokens per row (context length)
+depth = 20  # >= 1: n_layer; model_dim = depth * 64, head dim 128 (fewer heads for small models)
+max_seq_len = 2048  # >= 2: tokens per row (context length)
 value_embeds = True  # value embeddings: token-indexed tables added to V through a per-head gate, every other block
 smear = False  # add a gated share of the previous token's embedding to each token's
 backout = False  # subtract a learned share of the middle block's output before the head
 x0_lambdas = False  # learned per-block scalars mixing the embedding back in: x <- a_i * x + b_i * x0
-rotary_base = 10000.0  # base of the rotary position frequencies
-qk_scale = 1.0  # scale of the attention logits on top of 1/sqrt(head_dim)
+rotary_base = 10000.0  # > 0: base of the rotary position frequencies
+qk_scale = 1.0  # > 0: scale of the attention logits on top of 1/sqrt(head_dim)
 # batch
-device_batch_size = None  # rows per micro-batch per device; None: discovered (auto_batch_size) or 32
-total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-batches together
+device_batch_size = None  # >= 1: rows per micro-batch per device; None: discovered (auto_batch_size) or 32
+total_batch_size = 524288  # >= 1: tokens per optimizer step, all ranks and micro-batches together
 auto_batch_size = False  # discover the largest device_batch_size that fits (only grad_accum_steps changes)
-batch_size_margin = 0.85  # fraction of device memory the training step may use (bytes, not batch units)
+batch_size_margin = 0.85  # (0, 1]: fraction of device memory the training step may use (bytes, not batch units)
 batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
-device_memory_gb = None  # device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
-max_batch_size = None  # upper bound for discovered device_batch_size (None: no bound)
+device_memory_gb = None  # > 0: device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
+max_batch_size = None  # >= 1: upper bound for discovered device_batch_size (None: no bound)
 # training horizon: num_iterations if set, else target_param_data_ratio * params tokens
-num_iterations = None  # optimizer steps; None derives it from target_param_data_ratio
-target_param_data_ratio = 20  # tokens per parameter (Chinchilla) when num_iterations is None
+num_iterations = None  # >= 0: optimizer steps; None derives it from target_param_data_ratio
+target_param_data_ratio = 20  # > 0: tokens per parameter (Chinchilla) when num_iterations is None
 # optimizer
-matrix_lr = 0.03  # Muon lr of the transformer blocks' matrices
-embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
-unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
-scalar_lr = 0.5  # AdamW lr of the learned scalars (x0_lambdas; resid_lambdas get 1/100 of it, smear/backout 0.4)
-weight_decay = 0.01  # AdamW weight decay (embeddings, lm_head; decays with the lr)
-embedding_beta2 = 0.995  # AdamW beta2 of the token and value embeddings
-unembedding_beta2 = 0.96  # AdamW beta2 of the lm_head
-muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
+matrix_lr = 0.03  # >= 0: Muon lr of the transformer blocks' matrices
+embedding_lr = 0.2  # >= 0: AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
+unembedding_lr = 0.004  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
+scalar_lr = 0.5  # >= 0: AdamW lr of the learned scalars (x0_lambdas; resid_lambdas get 1/100 of it, smear/backout 0.4)
+weight_decay = 0.01  # >= 0: AdamW weight decay (embeddings, lm_head; decays with the lr)
+embedding_beta2 = 0.995  # [0, 1): AdamW beta2 of the token and value embeddings
+unembedding_beta2 = 0.96  # [0, 1): AdamW beta2 of the lm_head
+muon_weight_decay = None  # >= 0: Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
-muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
+muon_beta2 = 0.0  # [0, 1): NorMuon: EMA factor of the update's per-row variance (0 turns it off)
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
-momentum = 0.95  # Muon's momentum after its warmup
-momentum_warmup = 300  # steps of Muon's linear momentum warmup from 0.85 (0: none)
-final_momentum = None  # Muon's momentum at the last step, reached linearly over the lr warmdown; None: no decay
-grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
-warmup_ratio = 0.0  # fraction of the steps with a linear lr warmup
-warmdown_ratio = 0.65  # fraction of the steps at the end with a linear lr decay to final_lr_frac
-final_lr_frac = 0.05  # lr multiplier at the last step
+momentum = 0.95  # [0, 1): Muon's momentum after its warmup
+momentum_warmup = 300  # >= 0: steps of Muon's linear momentum warmup from 0.85 (0: none)
+final_momentum = None  # [0, 1): Muon's momentum at the last step, reached linearly over the lr warmdown; None: no decay
+grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+warmup_ratio = 0.0  # [0, 1]: fraction of the steps with a linear lr warmup
+warmdown_ratio = 0.65  # [0, 1]: fraction of the steps at the end with a linear lr decay to final_lr_frac
+final_lr_frac = 0.05  # [0, 1]: lr multiplier at the last step
 # evaluation, sampling, checkpoints (-1 turns each off, except at the end of the run)
-eval_every = 250  # steps between validation bpb evaluations
-eval_tokens = 20 * 524288  # validation tokens per evaluation
-sample_every = 2000  # steps between greedy samples of a few fixed prompts (rank 0)
-save_every = 1000  # steps between checkpoints
-keep_last = 2  # checkpoints kept on disk (0 keeps all)
+eval_every = 250  # -1 or >= 1: steps between validation bpb evaluations
+eval_tokens = 20 * 524288  # >= 1: validation tokens per evaluation
+sample_every = 2000  # -1 or >= 1: steps between greedy samples of a few fixed prompts (rank 0)
+save_every = 1000  # -1 or >= 1: steps between checkpoints
+keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32

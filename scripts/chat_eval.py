@@ -30,7 +30,7 @@ step = -1  # checkpoint step; -1 is the newest
 tasks = "arith,spell,identity"  # comma-separated built-in tasks (their val split); "" for none
 jsonl = ""  # optional JSONL file of conversations ending in the reference answer (graded on its final line)
 max_problems = -1  # problems per task (the first ones of its val split); -1 means all
-max_tokens = 64  # most tokens per answer (built-in answers take <= 55 with the 4,096-token tokenizer)
+max_tokens = 64  # most tokens per answer
 batch_size = 64  # prompts of equal length decoded together
 device_type = ""  # cuda | mps | cpu; "" autodetects
 config = configure(globals())

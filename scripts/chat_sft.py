@@ -14,8 +14,7 @@ with --packing=False it is one padded row per conversation. The step's loss is t
 all trained tokens on all ranks divided by their global count, counted before the backward passes, so the gradient
 does not depend on max_tokens_per_device, max_conversations_per_device or the number of ranks (nanotrain.sft_data).
 Defaults: examples_per_step 32 as nanochat v0 (target_examples_per_step), one epoch, lr decaying linearly to 0,
-init_lr_frac 0.8 as nanochat HEAD; on the CPU recipe's depth-4 model after mid-training, 100 steps gave val loss
-0.522 / 0.507 / 0.486 / 0.472 at init_lr_frac 0.02 / 0.1 / 0.3 / 1.0 (from 0.535), so small models want the high end.
+init_lr_frac 0.8 as nanochat HEAD.
 Outputs go to <base_dir>/sft/<run>/ (config.json, metrics.jsonl, checkpoints/), read by chat_cli.py and chat_eval.py.
 """
 
@@ -83,36 +82,36 @@ tasks = "arith:1,spell:1,identity:2"  # task mixture: NAME[:WEIGHT] of arith, sp
 jsonl = ""  # an extra JSONL file of conversations ({"messages": [...]} per line; every 20th line is held out for val)
 skip_bad_rows = False  # skip (and count) malformed JSONL lines instead of stopping at the first one
 device_type = ""  # cuda | mps | cpu; "" autodetects
-seed = 42  # seed of the task generation and of the data order
+seed = 42  # int: seed of the task generation and of the data order
 # batch
-examples_per_step = 32  # conversations per optimizer step, all ranks together
-max_tokens_per_device = None  # token budget of one micro-batch on one rank (packed: its row length at most); None: 2048 or discovered
+examples_per_step = 32  # >= 1: conversations per optimizer step, all ranks together
+max_tokens_per_device = None  # >= 2: token budget of one micro-batch on one rank (packed: its row length at most); None: 2048 or discovered
 auto_batch_size = False  # discover the largest max_tokens_per_device (a multiple of max_seq_len) that fits
-batch_size_margin = 0.85  # fraction of device memory the training step may use (bytes, not batch units)
+batch_size_margin = 0.85  # (0, 1]: fraction of device memory the training step may use (bytes, not batch units)
 batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
-device_memory_gb = None  # device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
-max_batch_size = None  # upper bound for the discovered rows of max_seq_len tokens per micro-batch (None: 64)
-max_conversations_per_device = 32  # at most this many conversations per micro-batch per rank
+device_memory_gb = None  # > 0: device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
+max_batch_size = None  # >= 1: upper bound for the discovered rows of max_seq_len tokens per micro-batch (None: 64)
+max_conversations_per_device = 32  # >= 1: at most this many conversations per micro-batch per rank
 packing = True  # padding-free packed rows; False: one padded row per conversation
-max_seq_len = None  # longest conversation in tokens; None: the source checkpoint's max_seq_len
+max_seq_len = None  # >= 2: longest conversation in tokens; None: the source checkpoint's max_seq_len
 long_conversations = "truncate"  # conversations longer than min(max_seq_len, max_tokens_per_device): truncate | drop
-num_iterations = None  # optimizer steps; None is one epoch (conversations // examples_per_step)
+num_iterations = None  # >= 0: optimizer steps; None is one epoch (conversations // examples_per_step)
 # optimizer: base_train's learning rates times init_lr_frac, linear decay to 0 over the run (nanochat chat_sft)
-init_lr_frac = 0.8  # multiplier of all the lrs below (nanochat HEAD: 0.8; v0: 0.02 for d20 after mid-training)
-matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
-embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
-unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
-scalar_lr = 0.5  # AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
-weight_decay = 0.0  # AdamW weight decay
+init_lr_frac = 0.8  # > 0: multiplier of all the lrs below (nanochat HEAD: 0.8; v0: 0.02 for d20 after mid-training)
+matrix_lr = 0.02  # >= 0: Muon lr of the transformer blocks' matrices
+embedding_lr = 0.2  # >= 0: AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
+unembedding_lr = 0.004  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
+scalar_lr = 0.5  # >= 0: AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
+weight_decay = 0.0  # >= 0: AdamW weight decay
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
-grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
-warmdown_ratio = 1.0  # fraction of the steps at the end with a linear lr decay to 0 (1.0: the whole run)
+grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+warmdown_ratio = 1.0  # [0, 1]: fraction of the steps at the end with a linear lr decay to 0 (1.0: the whole run)
 # evaluation, checkpoints (-1 turns each off, except at the end of the run)
-eval_every = 100  # steps between validation losses on held-out conversations
-eval_examples = 400  # validation conversations per evaluation (the first ones of the val mixture)
-sample_every = -1  # steps between greedy answers to a few validation questions (rank 0)
-save_every = 500  # steps between checkpoints
-keep_last = 2  # checkpoints kept on disk (0 keeps all)
+eval_every = 100  # -1 or >= 1: steps between validation losses on held-out conversations
+eval_examples = 400  # >= 0: validation conversations per evaluation (the first ones of the val mixture)
+sample_every = -1  # -1 or >= 1: steps between greedy answers to a few validation questions (rank 0)
+save_every = 500  # -1 or >= 1: steps between checkpoints
+keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32

@@ -69,35 +69,35 @@ run_name = ""  # outputs go to <base_dir>/mid/<run_name>; "" means the base run'
 base_run_name = ""  # the base run to start from; "" picks the base run with the newest checkpoint
 tasks = "arith:1,spell:1,identity:4"  # task mixture: NAME[:WEIGHT] of arith, spell, identity, jsonl:PATH, hf:NAME
 device_type = ""  # cuda | mps | cpu; "" autodetects
-seed = 42  # seed of the task generation and of the data order
+seed = 42  # int: seed of the task generation and of the data order
 # batch (None: the base checkpoint's value)
-max_seq_len = None  # tokens per row (context length)
-device_batch_size = None  # rows per micro-batch per device (None with --auto_batch_size=True: discovered)
-total_batch_size = None  # tokens per optimizer step, all ranks and micro-batches together
+max_seq_len = None  # >= 2: tokens per row (context length)
+device_batch_size = None  # >= 1: rows per micro-batch per device (None with --auto_batch_size=True: discovered)
+total_batch_size = None  # >= 1: tokens per optimizer step, all ranks and micro-batches together
 auto_batch_size = False  # discover the largest device_batch_size that fits (only grad_accum_steps changes)
-batch_size_margin = 0.85  # fraction of device memory the training step may use (bytes, not batch units)
+batch_size_margin = 0.85  # (0, 1]: fraction of device memory the training step may use (bytes, not batch units)
 batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
-device_memory_gb = None  # device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
-max_batch_size = None  # upper bound for discovered device_batch_size (None: no bound)
-num_iterations = None  # optimizer steps; None is one epoch of the training mixture
+device_memory_gb = None  # > 0: device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
+max_batch_size = None  # >= 1: upper bound for discovered device_batch_size (None: no bound)
+num_iterations = None  # >= 0: optimizer steps; None is one epoch of the training mixture
 # optimizer: base_train's learning rates times init_lr_frac (nanochat mid_train: 1.0)
-init_lr_frac = 1.0  # multiplier of all the lrs below
-matrix_lr = 0.02  # Muon lr of the transformer blocks' matrices
-embedding_lr = 0.2  # AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
-unembedding_lr = 0.004  # AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
-scalar_lr = 0.5  # AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
-weight_decay = 0.0  # AdamW weight decay
+init_lr_frac = 1.0  # > 0: multiplier of all the lrs below
+matrix_lr = 0.02  # >= 0: Muon lr of the transformer blocks' matrices
+embedding_lr = 0.2  # >= 0: AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
+unembedding_lr = 0.004  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
+scalar_lr = 0.5  # >= 0: AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
+weight_decay = 0.0  # >= 0: AdamW weight decay
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
-grad_clip = 1.0  # clip the global gradient norm to this; 0 turns clipping off
-warmup_ratio = 0.0  # fraction of the steps with a linear lr warmup
-warmdown_ratio = 0.2  # fraction of the steps at the end with a linear lr decay to final_lr_frac
-final_lr_frac = 0.0  # lr multiplier at the last step
+grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+warmup_ratio = 0.0  # [0, 1]: fraction of the steps with a linear lr warmup
+warmdown_ratio = 0.2  # [0, 1]: fraction of the steps at the end with a linear lr decay to final_lr_frac
+final_lr_frac = 0.0  # [0, 1]: lr multiplier at the last step
 # evaluation, sampling, checkpoints (-1 turns each off, except at the end of the run)
-eval_every = 150  # steps between validation bpb evaluations (on the val split of the mixture)
-eval_tokens = 1048576  # validation tokens per evaluation, at most one pass over the val split
-sample_every = -1  # steps between greedy chat answers to a few fixed questions (rank 0)
-save_every = 500  # steps between checkpoints
-keep_last = 2  # checkpoints kept on disk (0 keeps all)
+eval_every = 150  # -1 or >= 1: steps between validation bpb evaluations (on the val split of the mixture)
+eval_tokens = 1048576  # >= 1: validation tokens per evaluation, at most one pass over the val split
+sample_every = -1  # -1 or >= 1: steps between greedy chat answers to a few fixed questions (rank 0)
+save_every = 500  # -1 or >= 1: steps between checkpoints
+keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32

@@ -53,11 +53,11 @@ def probe_step(model, optimizers, batch_size, max_seq_len, vocab_size, *, device
 def _peak_tracker():
     """
     A torch.distributed._tools.mem_tracker.MemTracker that keeps only the global peak. The stock tracker also updates
-    every module's peak snapshot after every op (O(modules) work per op, most of a deep model's probe); we override
-    that one private method. The test test_peak_tracker_matches_stock_memtracker pins the equivalence.
+    every module's peak snapshot after every op (O(modules) work per op); we override that one private method. The
+    test test_peak_tracker_matches_stock_memtracker pins the equivalence.
     """
-    # imported here, not at the top: mem_tracker loads torch._dynamo and torch.distributed.tensor (about 1.5 s and
-    # 1 s of start-up, measured: see nanotrain/gpt.py and nanotrain/muon.py), which only a probe needs
+    # imported here, not at the top: mem_tracker loads torch._dynamo and torch.distributed.tensor (slow imports, kept
+    # out of start-up as in nanotrain/gpt.py and nanotrain/muon.py), which only a probe needs
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class PeakMemTracker(MemTracker):
@@ -89,8 +89,8 @@ def measure_fake_peak(build_probe, batch_size, *, max_seq_len, vocab_size, devic
     `device`: FakeTensorMode cannot swap meta parameters in nn.Module.to_empty, torch 2.13), and the step runs under
     MemTracker (parameters, buffers, gradients, activations, temporaries, optimizer state; exact storage bytes,
     rounded to 512 B on CUDA like the caching allocator). Plus DDP's gradient buckets when world_size > 1. The same
-    method as torchtitan's scripts/estimate/estimation.py. On a real CPU run of the same step MemTracker reports the
-    same peak; the process RSS is higher by malloc and kernel scratch overhead, which the default margin absorbs.
+    method as torchtitan's scripts/estimate/estimation.py. Tensor bytes only: a real process's RSS adds malloc and
+    kernel scratch overhead (dev/LOG.md, "Auto batch size on CPU: a real step's RSS against the fake estimate").
     build_probe(device) -> (model, optimizers). Returns int bytes. Raises ValueError for a meta + to_empty factory.
     """
     device = torch.device(device)
@@ -275,7 +275,7 @@ def _mem_available_bytes():
 def device_memory_budget(device, device_memory_gb=None, local_world_size=1):
     """
     The device memory the step may use before the margin, in bytes, and a JSON-able description for logs and the
-    cache key. device_memory_gb is in GiB (2**30 bytes; an "80 GB" H100 reports about 79.2 GiB).
+    cache key. device_memory_gb is in GiB (2**30 bytes).
     - CUDA: the device's total_memory, or min(total, device_memory_gb) to emulate a smaller device.
     - CPU/MPS: device_memory_gb, else CPU_MEMORY_FRACTION (0.5) of MemAvailable (/proc/meminfo; the physical memory
       from sysconf where /proc is missing) divided by local_world_size, rounded down to whole GiB (256 MiB below
