@@ -8,7 +8,11 @@ import os
 import pathlib
 
 import pytest
+import torch
 from helpers import TINY_VOCAB
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one torch thread per worker, so N workers fill N cores
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

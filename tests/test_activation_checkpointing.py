@@ -202,6 +202,7 @@ def metrics(base_dir, run):
 
 
 @pytest.mark.smoke
+@pytest.mark.slow  # the same gradients in process are in the default run (test_same_gradients_*)
 def test_base_train_same_losses(base_dir):
     """
     base_train for 2 steps with --activation_checkpointing=True logs the losses of the plain run (relative 1e-6);

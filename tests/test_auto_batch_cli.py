@@ -54,6 +54,7 @@ def test_manual_device_batch_size_wins(base_dir):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # the ranks' agreement is in the default run in process: test_auto_batch_size_dist.py
 @pytest.mark.timeout(300)
 def test_torchrun_ranks_agree(base_dir):
     r = run_script("base_train.py", *AUTO, "--run_name=d", base_dir=base_dir, nproc=2)

@@ -1147,6 +1147,7 @@ def test_default_cpu_budget_is_half_of_memavailable_per_local_rank(monkeypatch, 
 
 
 @pytest.mark.smoke
+@pytest.mark.slow  # plan mode's flags are checked in the default run (test_plan_mode_flags_are_checked)
 def test_plan_mode_prints_an_estimate_table():
     out = subprocess.run([sys.executable, PLAN, "--depths=1,2", "--max_seq_len=32", "--vocab_size=256",
                           "--total_batch_size=1024", "--device_memory_gb=0.02"],

@@ -102,6 +102,7 @@ def test_bench_prints_one_json_object(base_dir):
 
 
 @pytest.mark.smoke
+@pytest.mark.slow  # bench.py is a developer's tool; its one-run output is in the default run
 def test_bench_vs_interleaves_two_configs(base_dir):
     """--vs: both configurations' results, one ratio per round, their median; B differs from A only as asked (its
     FLOPs per token and parameters are the hand count of depth 1 without value embeddings and with smear, A's those

@@ -129,6 +129,7 @@ def test_mid_then_sft_train_reload_and_resume(chat_base, tmp_path, monkeypatch):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 2-rank mid_train and chat_sft runs are in the default run: test_smoke_matrix.py's 2-rank cells
 @pytest.mark.timeout(300)
 def test_mid_and_sft_two_gloo_processes(chat_base):
     """2 ranks on gloo: both scripts exit 0 with identical parameters on the ranks (checksum all-gathered), the loss

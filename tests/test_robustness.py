@@ -100,6 +100,7 @@ PREEMPT_ARGS = [*TINY_TRAIN, f"--num_iterations={PREEMPT_STEPS}"]
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # the default run stops 2 ranks with SIGTERM too: test_sigterm_to_one_rank_stops_both_with_exit_0
 def test_sigterm_to_torchrun_saves_once_and_resumes_exactly(base_dir):
     """
     SIGTERM to the torchrun process of a 2-rank gloo run, after 3 steps: torchrun forwards it, the ranks agree (the
@@ -354,6 +355,7 @@ def test_loss_only_check_lets_a_nan_update_through():
 
 # ----------------------------------------------------------------------------- what a run must not do quietly
 
+@pytest.mark.slow  # the lock itself is in the default run: test_checkpoint.py, test_lock_run_dir_refuses_...
 def test_a_second_run_of_the_same_name_refuses_while_the_first_runs(base_dir):
     """
     While one base_train run of a name trains, a second run of that name (even --resume=True) stops with one error
@@ -456,8 +458,9 @@ def stop_and_resume(script, args, stage, base, moment):
 @pytest.fixture(scope="module")
 def stopped_runs(shared_base_dir, tmp_path_factory):
     """
-    get(script): the straight run of base_train.py or chat_sft.py ("sft" needs the straight base run), then that
-    script interrupted at every moment and resumed, two processes at a time; computed once per script.
+    get(script, moment): the straight run of base_train.py or chat_sft.py ("sft" needs the straight base run), then
+    that script interrupted at `moment` and resumed; each computed once per module (so a tier that selects only some
+    moments runs only those).
     Returns {"straight": losses by step, moment: (stop exit code, stop output, resume result, losses by step)}.
     """
     base = tmp_path_factory.mktemp("stopped")
@@ -472,23 +475,25 @@ def stopped_runs(shared_base_dir, tmp_path_factory):
             done["base"] = losses(os.path.join(base, "base", "straight"))
         return done["base"]
 
-    def get(script):
+    def get(script, moment):
+        stage, args = ("base", BASE_STOP_ARGS) if script == "base_train.py" else ("sft", SFT_STOP_ARGS)
         if script not in done:
             straight_base()
-            stage, args = ("base", BASE_STOP_ARGS) if script == "base_train.py" else ("sft", SFT_STOP_ARGS)
             if stage == "sft":
                 r = run_script("chat_sft.py", *SFT_STOP_ARGS, "--run_name=straight", base_dir=base)
                 assert r.returncode == 0, r.stderr[-3000:]
-            with ThreadPoolExecutor(max_workers=2) as pool:
-                futures = {m: pool.submit(stop_and_resume, script, args, stage, base, m) for m in MOMENTS}
-                done[script] = {m: f.result() for m, f in futures.items()}
-            done[script]["straight"] = losses(os.path.join(base, stage, "straight"))
+            done[script] = {"straight": losses(os.path.join(base, stage, "straight"))}
+        if moment not in done[script]:
+            done[script][moment] = stop_and_resume(script, args, stage, base, moment)
         return done[script]
     return get
 
 
+# the default run keeps base_train's mid-step and evaluation moments; start-up, checkpoint write and every chat_sft
+# moment are slow (CI runs that tier too)
 @pytest.mark.parametrize("script", ["base_train.py", pytest.param("chat_sft.py", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("moment", list(MOMENTS))
+@pytest.mark.parametrize("moment", [pytest.param(m, marks=[pytest.mark.slow] if m in ("start-up", "checkpoint write")
+                                                 else []) for m in MOMENTS])
 def test_sigterm_at_any_moment_then_resume_equals_the_straight_run(stopped_runs, script, moment):
     """
     SIGTERM at start-up (half a second in, while torch is imported), in the middle of a step, during an evaluation and during a checkpoint write: the run stops
@@ -497,7 +502,7 @@ def test_sigterm_at_any_moment_then_resume_equals_the_straight_run(stopped_runs,
     with the wrong loader position, an evaluation that ignores the request (the old code finished it, however
     long, and trained one more step) and, at start-up, the old handler installed after the imports: exit -15.
     """
-    runs = stopped_runs(script)
+    runs = stopped_runs(script, moment)
     code, out, resumed, got = runs[moment]
     assert code == 0 and "received signal 15" in out and "Stopped at step" in out, out[-3000:]
     if moment == "evaluation":  # abandoned at once, not after the whole evaluation and one more step
