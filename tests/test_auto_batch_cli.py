@@ -23,6 +23,9 @@ def found(stdout):
     return int(b), int(accum), int(probes), float(secs), cache
 
 
+@pytest.mark.slow  # in the default run: discovery through base_train's flags, its record and training at the found
+# size (test_base_train.py's step-down test); the found size's boundary and the cache hit in process
+# (test_auto_batch_size.py: the brute-force sweep, the cache-hit log lines)
 def test_discovery_trains_at_found_size_then_cache_hit(base_dir):
     """
     The first run discovers N (logged, recorded in the run directory) and trains at N with grad_accum = total/(N*T);

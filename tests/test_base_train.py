@@ -81,6 +81,7 @@ def test_resume_after_sigterm_continues_exactly(base_dir):
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
+@pytest.mark.slow  # the smoke matrix's base_train 2-rank cells check the same in the default run
 def test_torchrun_two_ranks_gloo(base_dir):
     """2 ranks on gloo: identical parameters at the end (checksum all-gathered), one checkpoint written."""
     r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=4", "--run_name=ddp", base_dir=base_dir, nproc=2)

@@ -534,6 +534,7 @@ def test_sigkill_during_checkpoint_writes_leaves_a_usable_checkpoint(base_dir):
     assert not [n for n in os.listdir(os.path.join(run, "checkpoints")) if n.endswith(".tmp")]
 
 
+@pytest.mark.slow  # the rule itself is in the default run: test_chat_format.py (typed special-token strings)
 def test_chat_cli_prompt_with_special_token_strings_is_plain_text(base_dir):
     """
     `chat_cli.py -p` with every special-token string typed in the message answers exactly what the engine answers
