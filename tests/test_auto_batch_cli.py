@@ -49,6 +49,7 @@ def test_discovery_trains_at_found_size_then_cache_hit(base_dir):
     assert (b2, cache2) == (b, "hit") and secs2 < secs / 4
 
 
+@pytest.mark.slow  # for the default run's 8 minutes: the only end-to-end check of this flag precedence
 def test_manual_device_batch_size_wins(base_dir):
     r = run_script("base_train.py", *AUTO, "--device_batch_size=2", "--run_name=m", base_dir=base_dir)
     assert r.returncode == 0, r.stderr[-3000:]
