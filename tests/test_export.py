@@ -125,7 +125,7 @@ def test_missing_corrupt_or_foreign_files_raise_user_error(tmp_path):
 def test_export_script_end_to_end(base_dir):
     """
     base_train 2 steps -> scripts/export.py --source=base writes <run_dir>/export/model.safetensors whose reloaded
-    model gives torch.equal logits to the checkpoint loaded by nanotrain.engine.load_model (the script verifies the
+    model gives torch.equal logits to the checkpoint loaded by nanotrain.checkpoint.load_model (the script verifies the
     same and says so), with the tokenizer hash and the source checkpoint in the metadata. A corrupt checkpoint
     gives one `error:` line naming its directory and exit code 2 (not a traceback).
     """

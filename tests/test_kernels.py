@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanotrain import kernels as head_loss
+from nanotrain import kernels
 from nanotrain.gpt import GPT, SOFTCAP, GPTConfig
 from nanotrain.kernels import chunk_size_for, linear_cross_entropy
 
@@ -77,8 +77,8 @@ def test_dropping_the_softcap_derivative_is_caught(monkeypatch):
     ref = loss_and_grads(lambda *a: naive(*a[:3], SOFTCAP, a[3]), hidden, weight, targets, "mean", torch.tensor(1.0))
     right = loss_and_grads(lambda *a: linear_cross_entropy(*a[:3], SOFTCAP, a[3], 16), hidden, weight, targets, "mean",
                            torch.tensor(1.0))
-    real_grads = head_loss._chunk_grads
-    monkeypatch.setattr(head_loss, "_chunk_grads", lambda z, lse, t, s, h, w, cap, gw: real_grads(z, lse, t, s, h, w,
+    real_grads = kernels._chunk_grads
+    monkeypatch.setattr(kernels, "_chunk_grads", lambda z, lse, t, s, h, w, cap, gw: real_grads(z, lse, t, s, h, w,
                                                                                                 0.0, gw))
     wrong = loss_and_grads(lambda *a: linear_cross_entropy(*a[:3], SOFTCAP, a[3], 16), hidden, weight, targets,
                            "mean", torch.tensor(1.0))
@@ -226,5 +226,5 @@ def test_softcap_saturates_where_exp_overflows():
     for g, w in zip(got, want):
         assert torch.isfinite(g).all()
         assert rel(g, w) < 1e-5
-    z = head_loss._chunk_logits(hidden.detach(), weight.detach(), SOFTCAP)
+    z = kernels._chunk_logits(hidden.detach(), weight.detach(), SOFTCAP)
     assert z.abs().max() <= SOFTCAP and z.abs().max() > SOFTCAP * (1 - 1e-6)

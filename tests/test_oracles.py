@@ -115,8 +115,8 @@ def test_sft_evaluation_loss_on_a_known_batch(packing, split):
 @pytest.mark.parametrize("autocast_ctx", [None, nullcontext()])
 def test_sft_step_count_and_scaled_loss_are_the_hand_values(autocast_ctx):
     """
-    backward_step over two micro-batches returns the global target count 7 (the denominator) and the scaled loss
-    HAND_SUM / 7, with or without an autocast context (fp32: nullcontext); the gradient of lm_head row 0 is the hand
+    sft_backward (global_target_count, then forward_backward with loss_scale) over two micro-batches returns the
+    global target count 7 (the denominator) and the scaled loss HAND_SUM / 7, with or without an autocast context (fp32: nullcontext); the gradient of lm_head row 0 is the hand
     value; token_loss_scale and global_target_count are the literal values. Catches a count that is off by one or
     per micro-batch, and a scale of 1 / count that forgets the DDP world size (2 ranks: 2 / 8 = 0.25).
     """

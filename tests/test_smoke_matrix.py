@@ -242,7 +242,7 @@ def test_cell(matrix, monkeypatch, script, nproc, accum, resumed):
     the cell's accumulation (base, mid: "gradient accumulation steps: N" printed; chat_sft: "micro-batches N" on
     every step line and in every row); the model learns (check_learns); 2 ranks end with identical replicas.
     Fresh: it logs steps 1..12, writes complete checkpoints at 6 and 12 (a rank file per rank), and the last one
-    loads with nanotrain.engine.load_model into a model whose logits are finite.
+    loads with nanotrain.checkpoint.load_model into a model whose logits are finite.
     Resumed: the new process logs exactly steps 7..12, metrics.jsonl holds each step once (the copied rows after
     step 6 replaced), and the losses, val metrics and final weights equal the fresh run's exactly (==; all three
     scripts promise exact resume). Catches a resume that restarts the data order or the loader position, drops the
