@@ -15,8 +15,11 @@ Layout of a run directory (<base_dir>/<stage>/<run>/):
     .lock                       held (fcntl.flock) by the process that trains the run: a second run of the same name
                                 refuses to start while the first one runs
 
-A checkpoint is written into step_XXXXXX.tmp/ by all ranks and renamed by rank 0 once every file is in place, so a
-directory named step_XXXXXX/ with a meta.json is always complete. Everything is loaded with
+A checkpoint is written into step_XXXXXX.tmp/ by all ranks (every file fsynced), meta.json last (its commit marker),
+and committed by rank 0 with one rename (nanotrain.durable: an existing step_XXXXXX/ goes to step_XXXXXX.old/ first
+and is deleted only after the commit is durable). A kill at any instant leaves a complete copy of the newest
+committed step, which every reader finds: list_checkpoints takes, per step, the newest complete copy among .tmp,
+the plain name and .old, and the next save renames it into place before it writes. Everything is loaded with
 torch.load(weights_only=True): no arbitrary pickle is ever executed. A checkpoint that cannot be used (a torn or
 foreign file, a meta.json without the keys its reader needs, weights that do not fit its model_config) raises
 CheckpointError, one line naming the file; readers skip it for an older one (load_latest, resume_checkpoint,
@@ -43,12 +46,38 @@ from nanotrain.common import (
     git_commit,
     print0,
 )
+from nanotrain.durable import best_copy, commit, fsync_path, is_complete, recover, remove_dir
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
 from nanotrain.gpt import GPT, GPTConfig, build_model
 from nanotrain.tensor_file import CheckpointError, load_tensor_file  # noqa: F401 (CheckpointError: interface)
 from nanotrain.tokenizer import get_tokenizer
 
 CHECKPOINT_FORMAT = 2  # 2: the model gained value embeddings, smear, backout and x0/resid lambdas
+MARKER = "meta.json"  # written last into a checkpoint directory: a directory holding it is complete
+
+
+def _parse_name(name):
+    """(step, suffix) of a checkpoint directory name "step_000100" + ("", ".tmp" or ".old"), else None."""
+    stem, dot, ext = name.partition(".")
+    if not (stem.startswith("step_") and stem[5:].isdigit() and (not dot or ext in ("tmp", "old"))):
+        return None
+    return int(stem[5:]), dot + ext
+
+
+def step_of(path):
+    """The step of a checkpoint directory path (any of its copies: step_000100, .tmp, .old). Raises ValueError."""
+    parsed = _parse_name(os.path.basename(path))
+    if parsed is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step_XXXXXX)")
+    return parsed[0]
+
+
+def _save_tensors(obj, path):
+    """torch.save(obj) to `path`, flushed and fsynced before it returns (durable before the commit marker)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _free_bytes(path):
@@ -61,7 +90,8 @@ def _free_bytes(path):
 def _save_failed(exc, root, final, tmp, rank):
     """The one-line UserError for a checkpoint write that failed with `exc`, after removing the unfinished `tmp`."""
     free = _free_bytes(root)  # measured before the cleanup gives the space back
-    shutil.rmtree(tmp, ignore_errors=True)
+    if not is_complete(tmp, MARKER):  # a complete one (the commit's rename failed) is the newest copy: kept
+        shutil.rmtree(tmp, ignore_errors=True)
     previous = [p for p in list_checkpoints(os.path.dirname(root)) if p != final]
     kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
     full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (free is not None and
@@ -79,18 +109,20 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
     so the file is the unsharded state dict); optimizers: list (rank 0 saves their states, gathered likewise);
     meta: JSON-serialisable dict (step, version and git commit are added); rank_state: this rank's dict of tensors and
     plain values (RNG, loader state). keep_last > 0 deletes all but the newest keep_last checkpoints.
-    Unfinished directories of earlier writes (step_*.tmp, left by a killed run) are removed first. Returns the
-    checkpoint's path. Raises UserError (one line: "disk full" when the filesystem is out of space) if a file cannot
-    be written; the unfinished directory is then removed and the earlier checkpoints are untouched.
+    The write is safe at every instant (nanotrain.durable): first the copies an interrupted earlier save left are
+    recovered (a complete one renamed into place, incomplete ones removed), then the files go into
+    step_XXXXXX.tmp/, each fsynced, meta.json last, and rank 0 commits the directory with a rename and an fsync of
+    checkpoints/; older checkpoints beyond keep_last are deleted only after that. Returns the checkpoint's path.
+    Raises UserError (one line: "disk full" when the filesystem is out of space) if a file cannot be written; the
+    unfinished directory is then removed and the earlier checkpoints are untouched.
     """
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):
-            if name.endswith((".tmp", ".old")):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for s in sorted({p[0] for p in map(_parse_name, os.listdir(root)) if p is not None}):
+            recover(os.path.join(root, f"step_{s:06d}"), MARKER)
         os.makedirs(tmp)
     barrier()
     if is_fsdp(model):  # collective: all ranks gather, rank 0 receives
@@ -98,10 +130,10 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
     elif rank == 0:
         model_state, optim_states = model.state_dict(), [opt.state_dict() for opt in optimizers]
     try:
-        torch.save(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
+        _save_tensors(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
         if rank == 0:
-            torch.save(model_state, os.path.join(tmp, "model.pt"))
-            torch.save(optim_states, os.path.join(tmp, "optim.pt"))
+            _save_tensors(model_state, os.path.join(tmp, "model.pt"))
+            _save_tensors(optim_states, os.path.join(tmp, "optim.pt"))
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
         raise _save_failed(exc, root, final, tmp, rank) from None
     barrier()
@@ -109,20 +141,15 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
         meta = dict(meta, step=step, world_size=world_size, format=CHECKPOINT_FORMAT,
                     nanotrain_version=nanotrain.__version__, git_commit=git_commit(), torch_version=torch.__version__)
         try:
-            atomic_write_json(os.path.join(tmp, "meta.json"), meta)
+            fsync_path(tmp)  # the files' directory entries, before the marker that declares them complete
+            atomic_write_json(os.path.join(tmp, MARKER), meta)
+            fsync_path(tmp)
+            commit(tmp, final, MARKER)
         except OSError as exc:
             raise _save_failed(exc, root, final, tmp, rank) from None
-        if os.path.exists(final):  # saving the same step again (e.g. a resumed run that stops at once)
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
         if keep_last > 0:
             for path in list_checkpoints(run_dir)[:-keep_last]:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_dir(path, MARKER)
     barrier()
     return final
 
@@ -178,7 +205,7 @@ def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
     for path, exc in skipped:
         warnings.warn(f"skipping unreadable checkpoint {path}: {skip_reason(exc)}")
     if agreed != step:  # another rank could not read this rank's newest: take the one every rank has
-        path = next(p for p in paths if p.endswith(f"step_{agreed:06d}"))
+        path = next(p for p in paths if step_of(p) == agreed)
         print0(f"--resume=True: resuming from {path}, the newest checkpoint every rank can read")
         ckpt = load_checkpoint(path, device, rank, meta_keys=RESUME_META_KEYS)
     return ckpt
@@ -204,16 +231,16 @@ def check_resume(ckpt, run_dir, settings, keys, world_size):
 
 
 def list_checkpoints(run_dir):
-    """Paths of the complete checkpoints of a run (a step_XXXXXX/ directory with a meta.json), oldest first."""
+    """
+    Paths of the complete checkpoints of a run, oldest first, one per step: of the copies a save can leave
+    (step_XXXXXX.tmp, step_XXXXXX, step_XXXXXX.old; nanotrain.durable) the newest that holds its meta.json. Reads only.
+    """
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
-    out = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith("step_") and name[5:].isdigit() and os.path.exists(os.path.join(path, "meta.json")):
-            out.append((int(name[5:]), path))
-    return [p for _, p in sorted(out)]
+    steps = sorted({p[0] for p in map(_parse_name, os.listdir(root)) if p is not None})
+    paths = (best_copy(os.path.join(root, f"step_{s:06d}"), MARKER) for s in steps)
+    return [p for p in paths if p is not None]
 
 
 # what the readers of a checkpoint take from its meta.json besides "step" and "world_size" (which save_checkpoint
@@ -237,7 +264,8 @@ def _check_meta(meta_file, meta, meta_keys):
                                          f"of nanotrain (this one reads format {CHECKPOINT_FORMAT}: format 1 predates "
                                          f"the model's value embeddings, smear, backout and lambdas); train it again")
     name = os.path.basename(os.path.dirname(meta_file))
-    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != meta["step"]:
+    parsed = _parse_name(name)
+    if parsed is not None and parsed[0] != meta["step"]:
         raise CheckpointError(meta_file, f"has step={meta['step']} but is in the directory {name}")
     if "config" in meta and not isinstance(meta["config"], dict):
         raise CheckpointError(meta_file, f"has \"config\" {str(meta['config'])[:80]!r}; expected an object")
@@ -403,7 +431,7 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
         where = f" for --run_name={run_name}" if run_name else ""
         raise UserError(f"no {stage} checkpoint found{where}; train one first (python scripts/{script})")
     if step >= 0:  # that checkpoint or an error, never another one
-        path = next((p for p in paths if p.endswith(f"step_{step:06d}")), None)
+        path = next((p for p in paths if step_of(p) == step), None)
         if path is None:
             raise UserError(f"--step={step}: no such checkpoint in {run_dir}")
         try:

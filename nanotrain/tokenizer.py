@@ -7,6 +7,8 @@ Saved as plain data (no pickle) under <base_dir>/tokenizer/:
 - tokenizer.json: {"format": "nanotrain-bpe-1", "pattern", "vocab_size", "special_tokens": {name: id},
   "mergeable_ranks": [[base64 token bytes, rank], ...]} with ranks 0..n-1 in order.
 - token_bytes.npy: int32 (vocab_size,), the UTF-8 byte length of every token (0 for special tokens), for bits per byte.
+The two files are one unit: saved together by one directory rename (Tokenizer.save, nanotrain.durable), and every
+load checks that token_bytes.npy holds the byte lengths of the tokenizer.json beside it (get_token_bytes).
 
 Chat format (render_conversation / render_for_completion / chat_messages): nanochat's layout of user and assistant
 turns between special tokens, with a mask that trains the assistant's tokens only.
@@ -17,11 +19,13 @@ import binascii
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import torch
 
-from nanotrain.common import UserError, get_base_dir
+from nanotrain.common import UserError, atomic_write_text, get_base_dir
+from nanotrain.durable import best_copy, commit, fsync_path, recover
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document starts with it
@@ -79,10 +83,11 @@ class Tokenizer:
     @classmethod
     def from_directory(cls, path):
         """
-        Loads <path>/tokenizer.json. Raises UserError (one line naming the file and `python scripts/tok_train.py`)
+        Loads <path>/tokenizer.json (from the newest complete copy of `path` an interrupted save left: readable_dir).
+        Raises UserError (one line naming the file and `python scripts/tok_train.py`)
         if it is missing or not a valid nanotrain tokenizer (format, keys, contiguous ranks 0..n-1, special ids).
         """
-        file = os.path.join(path, TOKENIZER_FILE)
+        file = os.path.join(readable_dir(path), TOKENIZER_FILE)
         if not os.path.exists(file):
             raise UserError(f"tokenizer not found: {file} is missing; {TRAIN_HINT}")
         try:
@@ -96,11 +101,16 @@ class Tokenizer:
 
     def save(self, path):
         """
-        Writes tokenizer.json and token_bytes.npy into the directory `path` (created). Both go to temp files in `path`
-        first (fsynced) and are then renamed over the old ones with os.replace, token_bytes.npy first: an error while
-        writing leaves the old pair as it was (and no temp file), and a reader never sees a torn file.
+        Writes tokenizer.json and token_bytes.npy into the directory `path` as one unit (nanotrain.durable): both go
+        into <path>.tmp/ first (each fsynced, tokenizer.json last as the directory's marker), which then replaces
+        `path` with one rename. A kill at any instant leaves either the old pair or the new pair (readers take the
+        newest complete copy: from_directory, get_token_bytes); an error while writing leaves the old pair as it was
+        and no temp directory. `path` holds these two files only: anything else in it is replaced with it. A
+        symlinked `path` is written through (its target is replaced). Raises OSError.
         """
-        os.makedirs(path, exist_ok=True)
+        path = os.path.realpath(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        recover(path, TOKENIZER_FILE)  # finish or undo an interrupted earlier save
         ranks = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
         data = {
             "format": FORMAT,
@@ -109,24 +119,20 @@ class Tokenizer:
             "special_tokens": self.special_tokens,
             "mergeable_ranks": [[base64.b64encode(b).decode("ascii"), r] for b, r in ranks],
         }
-        finals = [os.path.join(path, TOKEN_BYTES_FILE), os.path.join(path, TOKENIZER_FILE)]
-        tmps = [f"{f}.tmp{os.getpid()}" for f in finals]
+        tmp = path + ".tmp"
+        os.makedirs(tmp)
         try:
-            with open(tmps[0], "wb") as f:
+            with open(os.path.join(tmp, TOKEN_BYTES_FILE), "wb") as f:
                 np.save(f, self.token_bytes().numpy().astype(np.int32), allow_pickle=False)
                 f.flush()
                 os.fsync(f.fileno())
-            with open(tmps[1], "w", encoding="utf-8") as f:
-                f.write(json.dumps(data) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            fsync_path(tmp)
+            atomic_write_text(os.path.join(tmp, TOKENIZER_FILE), json.dumps(data) + "\n")  # the marker: last
+            fsync_path(tmp)
         except BaseException:
-            for tmp in tmps:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for tmp, final in zip(tmps, finals):
-            os.replace(tmp, final)
+        commit(tmp, path, TOKENIZER_FILE)
 
     def get_vocab_size(self):
         """Number of token ids: merges (256 bytes included) + 9 special tokens."""
@@ -361,6 +367,12 @@ def get_tokenizer_dir():
     return os.path.join(get_base_dir(), "tokenizer")
 
 
+def readable_dir(path):
+    """The copy of the tokenizer directory `path` to read: the newest complete one an interrupted save left
+    (<path>.tmp, <path>, <path>.old; nanotrain.durable.best_copy), else `path` itself (whose files may be missing)."""
+    return best_copy(path, TOKENIZER_FILE) or path
+
+
 def get_tokenizer():
     """The trained tokenizer from <base_dir>/tokenizer. Raises UserError (naming tok_train.py) if missing/corrupt."""
     return Tokenizer.from_directory(get_tokenizer_dir())
@@ -369,14 +381,17 @@ def get_tokenizer():
 def get_token_bytes(device="cpu"):
     """
     torch.int64 (vocab_size,) on `device`: UTF-8 byte length per token id (0 for special tokens), read from
-    <base_dir>/tokenizer/token_bytes.npy. Raises UserError (naming tok_train.py) if missing, corrupt, or not
-    matching tokenizer.json's vocab_size.
+    <base_dir>/tokenizer/token_bytes.npy (the same copy of the directory get_tokenizer reads: readable_dir).
+    Raises UserError (naming tok_train.py) if missing, corrupt, or not the byte lengths of the tokens of the
+    tokenizer.json beside it (checked entry by entry against Tokenizer.token_bytes: a token_bytes.npy of another
+    tokenizer of the same vocab size would silently give a wrong bits-per-byte).
     """
-    d = get_tokenizer_dir()
+    d = readable_dir(get_tokenizer_dir())
     file = os.path.join(d, TOKEN_BYTES_FILE)
     if not os.path.exists(file):
         raise UserError(f"tokenizer not found: {file} is missing; {TRAIN_HINT}")
-    vocab_size = get_tokenizer().get_vocab_size()
+    tokenizer = Tokenizer.from_directory(d)
+    vocab_size = tokenizer.get_vocab_size()
     try:
         arr = np.load(file, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
@@ -384,4 +399,11 @@ def get_token_bytes(device="cpu"):
     if arr.shape != (vocab_size,) or arr.dtype.kind not in "iu" or (arr < 0).any():
         raise UserError(f"corrupt tokenizer file {file} (expected {vocab_size} non-negative ints, got shape "
                         f"{arr.shape} {arr.dtype}); {TRAIN_HINT} again")
+    expected = tokenizer.token_bytes().numpy()
+    wrong = np.flatnonzero(arr != expected)
+    if wrong.size:
+        i = int(wrong[0])
+        raise UserError(f"{file} does not belong to the tokenizer.json beside it: the byte lengths of {wrong.size} of "
+                        f"{vocab_size} tokens differ (token {i}: {int(arr[i])} in the file, {int(expected[i])} in "
+                        f"the tokenizer), so bits per byte would be wrong; {TRAIN_HINT} again")
     return torch.from_numpy(arr.astype(np.int64)).to(device)

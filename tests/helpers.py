@@ -78,3 +78,40 @@ def sft_backward(model, batches, autocast_ctx=None):
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     scale = token_loss_scale(count, torch.distributed.get_world_size() if ddp else 1)
     return forward_backward(model, batches, autocast_ctx or nullcontext(), loss_scale=scale), count
+
+
+# every call that changes what is on disk (shutil.rmtree's own unlink/rmdir calls included), for kill injection
+FS_OPS = [("os", "fsync"), ("os", "rename"), ("os", "replace"), ("os", "unlink"), ("os", "remove"), ("os", "rmdir"),
+          ("shutil", "rmtree"), ("torch", "save"), ("numpy", "save")]
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: not an Exception, so no `except OSError/Exception` cleanup code runs."""
+
+
+def run_with_kill(monkeypatch, fn, kill_at):
+    """
+    Calls fn() with every file-system operation of FS_OPS counted, cut short by Killed before operation number
+    `kill_at` (never when None): what a SIGKILL at that instant leaves on disk. Returns (the operations done, as
+    (name, args) pairs, in order; whether fn was cut short).
+    """
+    import importlib
+    done = []
+
+    def counting(real, name):
+        def op(*args, **kwargs):
+            if kill_at is not None and len(done) == kill_at:
+                raise Killed
+            done.append((name, args))
+            return real(*args, **kwargs)
+        return op
+
+    with monkeypatch.context() as m:
+        for mod, name in FS_OPS:
+            module = importlib.import_module(mod)
+            m.setattr(module, name, counting(getattr(module, name), name))
+        try:
+            fn()
+        except Killed:
+            return done, True
+    return done, False

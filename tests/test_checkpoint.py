@@ -214,10 +214,9 @@ def _full_disk_message(tmp_path, monkeypatch, fail_on):
     save_checkpoint(str(tmp_path), 5, model, opts, {"config": {}}, {})
     real_save = torch.save
 
-    def save(obj, f):
-        if os.path.basename(f) == fail_on:
-            with open(f, "wb") as out:
-                out.write(b"partial")
+    def save(obj, f):  # f: the open file (save_checkpoint fsyncs it after torch.save)
+        if os.path.basename(f.name) == fail_on:
+            f.write(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, f)
     monkeypatch.setattr(ckpt_module.torch, "save", save)

@@ -166,6 +166,51 @@ def test_failed_save_keeps_the_old_tokenizer(tok, monkeypatch):
 
 
 @pytest.mark.unit
+def test_token_bytes_of_another_tokenizer_of_the_same_size_is_refused(tok):
+    """
+    tokenizer.json of one tokenizer beside token_bytes.npy of another with the same vocab size (what a kill between
+    the two file replacements of the old save left, or a hand copy): get_token_bytes refuses in one line naming the
+    file. Catches the old check, which compared only the array's shape, so bits per byte came out silently wrong.
+    """
+    other = Tokenizer.train_from_iterator(iter([t[::-1] for t in TRAIN_TEXT]), VOCAB_SIZE)
+    assert other.get_vocab_size() == VOCAB_SIZE and not np.array_equal(other.token_bytes(), tok.token_bytes())
+    tok.save(get_tokenizer_dir())
+    np.save(os.path.join(get_tokenizer_dir(), "token_bytes.npy"), other.token_bytes().numpy().astype(np.int32))
+    with pytest.raises(UserError, match=r"token_bytes\.npy does not belong to the tokenizer\.json") as info:
+        get_token_bytes("cpu")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.unit
+def test_a_kill_at_every_operation_of_a_save_leaves_the_old_pair_or_the_new_pair(tok, monkeypatch):
+    """
+    A save of another tokenizer over `tok`, cut short before each of its file-system operations in turn (what a
+    SIGKILL leaves): the readers then get the old tokenizer or the new one, always with its own token bytes, the
+    new one from the moment its tokenizer.json was complete; the next save leaves no temp directory behind.
+    Catches the old save, which replaced token_bytes.npy and tokenizer.json one after the other (a kill between the
+    two renames left a mixed pair).
+    """
+    from helpers import run_with_kill
+    other = Tokenizer.train_from_iterator(iter([t[::-1] for t in TRAIN_TEXT]), VOCAB_SIZE)
+    old, new = tok.fingerprint(), other.fingerprint()
+    tok.save(get_tokenizer_dir())
+    total = len(run_with_kill(monkeypatch, lambda: other.save(get_tokenizer_dir()), None)[0])
+    assert total >= 5  # token_bytes.npy written and fsynced, tokenizer.json fsynced, the renames
+    for k in range(total + 1):
+        tok.save(get_tokenizer_dir())
+        done, cut = run_with_kill(monkeypatch, lambda: other.save(get_tokenizer_dir()), k)
+        assert cut == (k < total)
+        marker_done = any(n == "replace" and str(a[1]).endswith(os.path.join("tokenizer.tmp", "tokenizer.json"))
+                          for n, a in done)
+        loaded = get_tokenizer()
+        assert loaded.fingerprint() == (new if marker_done else old), (k, done[-1:])
+        assert get_token_bytes("cpu").tolist() == loaded.token_bytes().tolist()
+    other.save(get_tokenizer_dir())
+    assert sorted(os.listdir(os.path.dirname(get_tokenizer_dir()))) == ["tokenizer"]
+    assert get_tokenizer().fingerprint() == new
+
+
+@pytest.mark.unit
 def test_missing_tokenizer_is_a_user_error():
     """Catches a raw FileNotFoundError traceback instead of a one-line hint to run tok_train.py."""
     with pytest.raises(UserError, match=r"tokenizer\.json.*tok_train\.py"):
