@@ -187,8 +187,8 @@ def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
     """
     The checkpoint a --resume=True run continues from: the newest checkpoint of run_dir that every rank can read
     (load_latest on each rank, then the ranks agree on the oldest of their choices: collective under DDP over
-    `comm_device`, default `device`), with the optimizer state, tensors on `device`. None (and a line on rank 0 that
-    the run starts fresh) when run_dir has no checkpoint at all. Raises UserError when checkpoints exist but none can
+    `comm_device`, default `device`), with the optimizer state, tensors on `device`; rank 0 prints the path and step
+    it resumes from. None (and a line on rank 0 that the run starts fresh) when run_dir has no checkpoint at all. Raises UserError when checkpoints exist but none can
     be read on some rank: resuming would silently lose the run, so the user must choose (--resume=False starts over).
     """
     paths, skipped = list_checkpoints(run_dir), []
@@ -208,6 +208,8 @@ def resume_checkpoint(run_dir, device, rank=0, comm_device=None):
         path = next(p for p in paths if step_of(p) == agreed)
         print0(f"--resume=True: resuming from {path}, the newest checkpoint every rank can read")
         ckpt = load_checkpoint(path, device, rank, meta_keys=RESUME_META_KEYS)
+    else:
+        print0(f"--resume=True: resuming from {ckpt['path']} (step {step})")
     return ckpt
 
 
