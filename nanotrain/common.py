@@ -144,16 +144,24 @@ def os_error_line(exc, trains=False):
 @contextlib.contextmanager
 def os_errors_name(path):
     """
-    Re-raises an OSError without a file name (a write, flush or fsync of an open file: the system does not name the
-    file) as an OSError of the same errno naming `path` (str), so os_error_line can say which file. Other errors pass
-    unchanged.
+    Re-raises an OSError that does not name the file the user knows as an OSError of the same errno that does: one
+    without a file name (a write, flush or fsync of an open file: the system does not name it) names `path` (str);
+    one naming a temporary file NAME.tmp<suffix> (removed by then) names NAME. Other errors pass unchanged.
     """
     try:
         yield
     except OSError as exc:
-        if exc.filename is None and exc.errno is not None:
-            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path) from exc
-        raise
+        if exc.errno is None or exc.filename2 is not None:
+            raise
+        if exc.filename is None:
+            name = path
+        else:
+            head, tail = os.path.split(os.fsdecode(exc.filename))
+            cut = tail.rfind(".tmp")
+            if cut <= 0:
+                raise
+            name = os.path.join(head, tail[:cut])
+        raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), name) from exc
 
 
 def run_script(main, trains=False):

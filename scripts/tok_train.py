@@ -64,7 +64,7 @@ def main():
             break
     val_tokens = sum(len(ids) for ids in tokenizer.encode(val_texts))
     out_dir = get_tokenizer_dir()
-    with os_errors_name(out_dir):  # a full disk while writing the files: the error names the directory
+    with os_errors_name(out_dir):  # its errors name the tokenizer files (or the directory), not their temp files
         tokenizer.save(out_dir)
 
     print(f"trained on {stats['docs']:,} documents, {stats['chars']:,} chars")
