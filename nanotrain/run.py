@@ -150,7 +150,7 @@ class MetricsLog:
         Appends `row` (JSON) as one line, flushed. Raises an OSError naming the file when it cannot be written (a full
         disk); the file is then closed, and a resume drops the torn last line.
         """
-        if self.file is not None:
+        if self.file is not None and not self.file.closed:
             try:
                 with os_errors_name(self.path):
                     self.file.write(json.dumps(row) + "\n")
@@ -160,11 +160,10 @@ class MetricsLog:
                 raise
 
     def close(self):
-        """Closes the file (once; a row that still cannot be written, e.g. on a full disk, is dropped)."""
-        if self.file is not None:
-            file, self.file = self.file, None
+        """Closes the file; a row that still cannot be written (a full disk) is dropped: the file is closed anyway."""
+        if self.file is not None and not self.file.closed:
             try:
-                file.close()
+                self.file.close()
             except OSError:
                 pass
 
