@@ -88,13 +88,13 @@ def _kind(path):
 
 
 def _first_non_directory(path):
-    """The first of `path`'s ancestors (or `path` itself) that exists and is not a directory; `path` if none is."""
+    """The first of `path`'s ancestors (or `path` itself) that exists and is not a directory; None if none is."""
     parts = os.path.abspath(path).split(os.sep)
     for i in range(2, len(parts) + 1):
         prefix = os.sep.join(parts[:i])
         if os.path.lexists(prefix) and not os.path.isdir(prefix):
             return prefix
-    return path
+    return None
 
 
 def os_error_line(exc, trains=False):
@@ -129,15 +129,17 @@ def os_error_line(exc, trains=False):
     elif code in (errno.EACCES, errno.EPERM):
         todo = f"fix the permissions of that path or of its directory, or {elsewhere}"
     elif code == errno.EISDIR:
-        todo = f"{path} is a directory where a file is expected: move it away, then run again"
+        todo = "that is a directory where a file is expected: move it away, then run again"
     elif code == errno.ENOTDIR:
         culprit = _first_non_directory(path) if path else None
-        todo = (f"{culprit} is {_kind(culprit)} where a directory is expected: move it away, then run again"
-                if culprit else "a directory is expected on that path: move the file in its way, then run again")
+        todo = ("a directory is expected on that path: move the file in its way, then run again" if not culprit else
+                f"that is {_kind(culprit)} where a directory is expected: move it away, then run again"
+                if culprit == os.path.abspath(path) else
+                f"{culprit} is {_kind(culprit)} where a directory is expected: move it away, then run again")
     elif path is not None and os.path.isdir(path):  # EEXIST
-        todo = f"{path} exists already: move it away, then run again"
+        todo = "that exists already: move it away, then run again"
     else:
-        todo = f"{path} is {_kind(path)} where a directory is expected: move it away, then run again"
+        todo = f"that is {_kind(path)} where a directory is expected: move it away, then run again"
     return f"{where}: {why}: {todo}"
 
 
