@@ -178,14 +178,18 @@ def run_script(main, trains=False):
         130, the shell's code for SIGINT. Files being written when it came are cleaned up on the way out.
     `trains`: the script trains and saves checkpoints (the lines then say --resume=True continues the run). Any other
     exception propagates with its traceback (a bug, not the user's input or environment). A script that imported
-    nanotrain.interrupt (or nanotrain.stop) first has its start-up covered too; from here on its Ctrl-C raises
-    KeyboardInterrupt (nanotrain.interrupt.main_started).
+    nanotrain.interrupt (or nanotrain.stop) first has its start-up and its exit covered too; while main() runs, its
+    Ctrl-C raises KeyboardInterrupt (nanotrain.interrupt.main_started).
     """
     interrupt = sys.modules.get("nanotrain.interrupt")  # looked up, not imported: this module imports no nanotrain
-    if interrupt is not None:
-        interrupt.main_started = True
     try:
-        main()
+        if interrupt is not None:
+            interrupt.main_started = True
+        try:
+            main()
+        finally:  # the work is over: a Ctrl-C from here on (the exit) ends the process at once, without a traceback
+            if interrupt is not None:
+                interrupt.main_started = False
     except UserError as e:
         die(str(e))
     except KeyboardInterrupt:

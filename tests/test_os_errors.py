@@ -374,15 +374,20 @@ def _interrupt(code, signals, wait_for="ready"):
 
 
 def test_ctrl_c_during_start_up_is_one_line_and_130():
-    """A Ctrl-C while a script starts up (nanotrain.interrupt imported first, torch still loading) ends it with one
-    line and 130; in a training script (nanotrain.stop) the first asks to stop and the second ends it so. Catches a
-    KeyboardInterrupt traceback, exit code 0 or 1, or the first Ctrl-C of a training script ending it."""
+    """A Ctrl-C while a script starts up (nanotrain.interrupt imported first, torch still loading) or exits (after
+    main(), in an atexit handler) ends it with one line and 130; in a training script (nanotrain.stop) the first asks
+    to stop and the second ends it so. Catches a KeyboardInterrupt traceback (or "Exception ignored in atexit
+    callback"), exit code 0 or 1, or the first Ctrl-C of a training script ending it."""
     rc, err = _interrupt("import nanotrain.interrupt, time; print('ready'); time.sleep(30)", 1)
     assert rc == 130 and err.strip() == "error: interrupted (Ctrl-C)"
     rc, err = _interrupt("import nanotrain.stop, time; print('ready'); time.sleep(30)", 2)
     assert rc == 130 and "Traceback" not in err and len(error_lines(err)) == 1 and "second Ctrl-C" in err
     rc, err = _interrupt("import nanotrain.stop, time; print('ready'); time.sleep(1)", 1)
     assert rc == 0 and err == ""  # one signal: only a request to stop
+    # after main() returned, while the process exits (atexit handlers): one line too, not "Exception ignored ..."
+    rc, err = _interrupt("import nanotrain.interrupt, atexit, time; from nanotrain.common import run_script; "
+                         "atexit.register(time.sleep, 30); run_script(lambda: print('ready'))", 1)
+    assert rc == 130 and err.strip() == "error: interrupted (Ctrl-C)"
 
 
 # ----------------------------------------------------------------------------- lone surrogates, --skip_bad_rows
