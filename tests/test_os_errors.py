@@ -386,7 +386,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_130():
     assert rc == 0 and err == ""  # one signal: only a request to stop
     # after main() returned, while the process exits (atexit handlers): one line too, not "Exception ignored ..."
     rc, err = _interrupt("import nanotrain.interrupt, atexit, time; from nanotrain.common import run_script; "
-                         "atexit.register(time.sleep, 30); run_script(lambda: print('ready'))", 1)
+                         "atexit.register(lambda: (print('ready', flush=True), time.sleep(30))); "
+                         "run_script(lambda: None)", 1)
     assert rc == 130 and err.strip() == "error: interrupted (Ctrl-C)"
 
 
