@@ -5,6 +5,7 @@ and the end of a stage (finish_run: the replica check under DDP, the summary, th
 What is inside checkpoints/ is nanotrain.checkpoint's.
 """
 
+import errno
 import json
 import os
 import socket
@@ -37,9 +38,16 @@ _held_locks = {}  # real path of a run directory -> the open lock file this proc
 
 
 def get_run_dir(stage, run):
-    """<base_dir>/<stage>/<run>, created if missing. stage is "base", "mid" or "sft"."""
+    """
+    <base_dir>/<stage>/<run>, created if missing. stage is "base", "mid" or "sft". Raises NotADirectoryError
+    (ENOTDIR, naming the path; nanotrain.common.run_script prints it as one line) when its checkpoints/ exists but is
+    not a directory: found before the training, not at its first save.
+    """
     path = os.path.join(get_base_dir(), stage, run)
     os.makedirs(path, exist_ok=True)
+    ckpts = os.path.join(path, "checkpoints")
+    if os.path.lexists(ckpts) and not os.path.isdir(ckpts):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), ckpts)
     return path
 
 

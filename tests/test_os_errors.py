@@ -542,8 +542,8 @@ def test_full_disk_real_tmpfs_tok_train_export_chat_eval(script, trained, shared
 # the lock (test_lock_is_a_directory_raises_its_os_error_and_holds_nothing)
 def test_paths_of_the_wrong_kind_in_scripts(trained, shared_base_dir, tmp_path):
     """A file or directory in the way, end to end, each one line and a non-zero exit without a traceback: base_train
-    with its .lock a directory; base_train with its run's `checkpoints` a file (the error comes from checkpoint.py's
-    makedirs at the first save: the line names it); base_train --auto_batch_size=True with the cache directory a
+    with its .lock a directory; base_train with its run's `checkpoints` a file (refused before the first step by
+    run.get_run_dir, not at the first save after the training); base_train --auto_batch_size=True with the cache directory a
     file; export with --out a directory; metrics.jsonl on a full disk in the middle of training (says
     --resume=True). Catches tracebacks from these paths, and a line that does not name the path."""
     base = new_base(tmp_path, shared_base_dir)
@@ -554,8 +554,10 @@ def test_paths_of_the_wrong_kind_in_scripts(trained, shared_base_dir, tmp_path):
     assert f"{run / '.lock'}: Is a directory (EISDIR): that is a directory where a file is expected" in line
     os.rmdir(run / ".lock")
     (run / "checkpoints").write_text("x")
-    line = assert_one_line(run_script("base_train.py", *FAST, "--run_name=r", base_dir=base), code=1)
-    assert f"{run / 'checkpoints'}: File exists (EEXIST): that is a regular file where a directory is" in line
+    r = run_script("base_train.py", *FAST, "--run_name=r", base_dir=base)
+    line = assert_one_line(r, code=1)
+    assert f"{run / 'checkpoints'}: Not a directory (ENOTDIR): that is a regular file where a directory is" in line
+    assert "step 00001" not in r.stdout
     os.remove(run / "checkpoints")
     (base / "auto_batch_cache").write_text("x")
     r = run_script("base_train.py", *[a for a in FAST if not a.startswith("--device_batch_size")], "--run_name=r",
