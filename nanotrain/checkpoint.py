@@ -142,6 +142,9 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
                 _save_tensors(osft_state, os.path.join(tmp, OSFT_FILE))
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
         raise _save_failed(exc, root, final, tmp, rank) from None
+    except KeyboardInterrupt:  # a second Ctrl-C: the unfinished copy goes (the previous checkpoint is intact)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier()
     if rank == 0:
         meta = dict(meta, step=step, world_size=world_size, format=CHECKPOINT_FORMAT,

@@ -1,17 +1,20 @@
 """
 Runtime helpers shared by every script: device choice, torchrun / torch.distributed set-up and tear-down, scalar
-all-reduces, rank-0 printing, seeding and RNG state, the base directory for data and checkpoints, clean one-line
-errors and the script runner, atomic writes, the matmul throughput used as the MFU peak, and whether this device
-computes bf16 matmuls fast (fast_bf16: the default compute dtype and Muon's Newton-Schulz dtype both ask it).
+all-reduces, rank-0 printing, seeding and RNG state, the base directory for data and checkpoints, one-line errors (bad
+input, the operating system's errors on the script's paths, Ctrl-C) and the script runner, atomic writes, the matmul
+throughput used as the MFU peak, and whether this device computes bf16 matmuls fast (fast_bf16: the default compute
+dtype and Muon's Newton-Schulz dtype both ask it).
 This module imports nothing else of nanotrain: every other module may import it.
 """
 
 import atexit
 import contextlib
+import errno
 import json
 import os
 import random
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -61,25 +64,166 @@ def exit_process(code=0):
     os._exit(code)
 
 
-def run_script(main):
+# the errnos of an OSError that a script reports as one line naming the path: the user's environment, not a bug (a
+# full disk or quota, a read-only file system, no permission, a file where a directory belongs or the reverse)
+OS_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR,
+             errno.EISDIR}
+DEFAULT_BASE_DIR = os.path.join("~", ".cache", "nanotrain")  # expanded by get_base_dir
+
+
+def _base_dir_setting():
+    """The base directory get_base_dir would use (absolute), without creating it."""
+    return os.path.abspath(os.environ.get("NANOTRAIN_BASE_DIR") or os.path.expanduser(DEFAULT_BASE_DIR))
+
+
+def _kind(path):
+    """What is at `path`, in words: "a directory", "a regular file", "a symbolic link", "something else" or
+    "nothing" (absent)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "nothing"
+    return ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else
+            "a symbolic link" if stat.S_ISLNK(mode) else "something else")
+
+
+def _first_non_directory(path):
+    """The first of `path`'s ancestors (or `path` itself) that exists and is not a directory; None if none is."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        prefix = os.sep.join(parts[:i])
+        if os.path.lexists(prefix) and not os.path.isdir(prefix):
+            return prefix
+    return None
+
+
+def os_error_line(exc, trains=False):
     """
-    Runs a script's main() the way every script ends: a UserError becomes one `error: ...` line and exit code 2
-    (die), the process group is torn down on every path, and the process leaves through exit_process(0) (not
-    sys.exit: see exit_process). Any other exception propagates with its traceback.
+    The one line (str, without the "error: " prefix) a script prints for the OSError `exc` when its errno is one of
+    OS_ERRNOS: the path (exc.filename; exc.filename2, a rename's target, when that is the path of the wrong kind),
+    the system's reason and what to do: free space (then --resume=True when `trains`, the script trains and saves
+    checkpoints), point NANOTRAIN_BASE_DIR at a writable directory or fix the permissions, move away the file or
+    directory of the wrong kind. Returns None for any other exception or errno (its traceback is kept).
+    """
+    if not isinstance(exc, OSError) or exc.errno not in OS_ERRNOS:
+        return None
+    code = exc.errno
+    src = os.fsdecode(exc.filename) if exc.filename is not None else None
+    dst = os.fsdecode(exc.filename2) if exc.filename2 is not None else None
+    if dst is not None and code in (errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+        where = path = dst
+    else:
+        path = src
+        where = f"{src} -> {dst}" if dst is not None else src
+    where = where or "(a file this script writes; the system did not name it)"
+    why = f"{exc.strerror or os.strerror(code)} ({errno.errorcode.get(code, code)})"
+    base = _base_dir_setting()
+    in_base = path is not None and os.path.abspath(path).startswith(base + os.sep)
+    elsewhere = (f"point NANOTRAIN_BASE_DIR (now {base}) at a directory you can write" if in_base or path is None
+                 else "choose another path")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        todo = ("free some space on that file system (or raise your quota), then run again"
+                + (" with --resume=True to continue from the last checkpoint" if trains else ""))
+    elif code == errno.EROFS:
+        todo = f"the file system is mounted read-only: {elsewhere}, or remount it read-write"
+    elif code in (errno.EACCES, errno.EPERM):
+        todo = f"fix the permissions of that path or of its directory, or {elsewhere}"
+    elif code == errno.EISDIR:
+        todo = "that is a directory where a file is expected: move it away, then run again"
+    elif code == errno.ENOTDIR:
+        culprit = _first_non_directory(path) if path else None
+        todo = ("a directory is expected on that path: move the file in its way, then run again" if not culprit else
+                f"that is {_kind(culprit)} where a directory is expected: move it away, then run again"
+                if culprit == os.path.abspath(path) else
+                f"{culprit} is {_kind(culprit)} where a directory is expected: move it away, then run again")
+    elif path is not None and os.path.isdir(path):  # EEXIST
+        todo = "that exists already: move it away, then run again"
+    else:
+        todo = f"that is {_kind(path)} where a directory is expected: move it away, then run again"
+    return f"{where}: {why}: {todo}"
+
+
+@contextlib.contextmanager
+def os_errors_name(path):
+    """
+    Re-raises an OSError that does not name the file the user knows as an OSError of the same errno that does: one
+    without a file name (a write, flush or fsync of an open file: the system does not name it) names `path` (str);
+    one naming a temporary file NAME.tmp<suffix> (removed by then) names NAME. Other errors pass unchanged.
     """
     try:
-        main()
+        yield
+    except OSError as exc:
+        if exc.errno is None or exc.filename2 is not None:
+            raise
+        if exc.filename is None:
+            name = path
+        else:
+            head, tail = os.path.split(os.fsdecode(exc.filename))
+            cut = tail.rfind(".tmp")
+            if cut <= 0:
+                raise
+            name = os.path.join(head, tail[:cut])
+        raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), name) from exc
+
+
+def run_script(main, trains=False):
+    """
+    Runs a script's main() the way every script ends, and leaves through exit_process(0) (not sys.exit: see
+    exit_process) when it returns; the process group is torn down on every path. One `error: ...` line on stderr
+    (die: rank 0 under torchrun) instead of a traceback for:
+      - a UserError: its message, exit code 2;
+      - an OSError of the user's environment (OS_ERRNOS: full disk, read-only, no permission, a path of the wrong
+        kind): os_error_line (naming the path and what to do), exit code 1;
+      - KeyboardInterrupt (Ctrl-C; in a training script `trains`=True, a second Ctrl-C, nanotrain.stop): exit code
+        130, the shell's code for SIGINT. Files being written when it came are cleaned up on the way out.
+    `trains`: the script trains and saves checkpoints (the lines then say --resume=True continues the run). Any other
+    exception propagates with its traceback (a bug, not the user's input or environment). A script that imported
+    nanotrain.interrupt (or nanotrain.stop) first has its start-up and its exit covered too; while main() runs, its
+    Ctrl-C raises KeyboardInterrupt (nanotrain.interrupt.main_started).
+    """
+    interrupt = sys.modules.get("nanotrain.interrupt")  # looked up, not imported: this module imports no nanotrain
+    try:
+        if interrupt is not None:
+            interrupt.main_started = True
+        try:
+            main()
+        finally:  # the work is over: a Ctrl-C from here on (the exit) ends the process at once, without a traceback
+            if interrupt is not None:
+                interrupt.main_started = False
     except UserError as e:
         die(str(e))
+    except KeyboardInterrupt:
+        die("interrupted by a second Ctrl-C before the step in progress was saved; run again with --resume=True to "
+            "continue from the last checkpoint" if trains else "interrupted (Ctrl-C)", 130)
+    except OSError as e:
+        line = os_error_line(e, trains)
+        if line is None:
+            raise
+        die(line, 1)
     finally:
         compute_cleanup()
     exit_process(0)
 
 
 def get_base_dir():
-    """The directory for data, tokenizer, checkpoints and caches: $NANOTRAIN_BASE_DIR or ~/.cache/nanotrain."""
-    base = os.environ.get("NANOTRAIN_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanotrain")
-    os.makedirs(base, exist_ok=True)
+    """
+    The directory for data, tokenizer, checkpoints and caches (created): $NANOTRAIN_BASE_DIR, made absolute against
+    the current directory (so every message names the directory looked in), or ~/.cache/nanotrain. Raises UserError
+    (one line naming it) when it exists but is not a directory, or cannot be created (read-only file system, no
+    permission, a file on its path).
+    """
+    base = _base_dir_setting()
+    what = ("NANOTRAIN_BASE_DIR" if os.environ.get("NANOTRAIN_BASE_DIR")
+            else "the default base directory; set NANOTRAIN_BASE_DIR to choose another")
+    if os.path.exists(base) and not os.path.isdir(base):
+        raise UserError(f"the base directory {base} ({what}) is {_kind(base)}, not a directory: point "
+                        f"NANOTRAIN_BASE_DIR at a directory, or move that file away")
+    try:
+        os.makedirs(base, exist_ok=True)
+    except OSError as e:
+        if e.errno not in OS_ERRNOS:
+            raise
+        raise UserError(f"cannot create the base directory {base} ({what}): {os_error_line(e)}") from None
     return base
 
 
@@ -228,7 +372,8 @@ def compute_cleanup():
 def atomic_write_text(path, text):
     """
     Writes `text` to `path` through a temp file in the same directory and os.replace (never a torn file). If the
-    write fails (OSError, e.g. a full disk) the temp file is removed and the error raised; `path` is untouched.
+    write fails (an OSError, e.g. a full disk, or KeyboardInterrupt) the temp file is removed and the error raised,
+    an OSError naming `path` (not the temp file); `path` is untouched.
     """
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
@@ -239,9 +384,11 @@ def atomic_write_text(path, text):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp):
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path) from exc
         raise
 
 

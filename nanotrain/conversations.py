@@ -54,12 +54,20 @@ def validate_conversation(obj):
     return None
 
 
-def load_jsonl(path, skip_bad_rows=False):
+def _skip_hint(skip_bad_rows, what):
+    """The end of a bad row's message: the --skip_bad_rows=True hint where the caller has that flag (False), else ""
+    (None: the script offers no such flag, e.g. mid_train and chat_eval)."""
+    return f" (--skip_bad_rows=True skips such {what})" if skip_bad_rows is not None else ""
+
+
+def load_jsonl(path, skip_bad_rows=None):
     """
     Reads conversations from a JSONL file: one JSON object {"messages": [...]} per line (blank lines are ignored).
     Returns (conversations, n_skipped): a list of {"messages", "task": "jsonl"} in file order and the number of bad
     lines skipped. A bad line (not UTF-8 JSON, or validate_conversation fails) raises
     UserError("{path}:{lineno}: what is wrong"), unless skip_bad_rows, in which case it is counted and skipped.
+    skip_bad_rows: True skips, False refuses and the message suggests --skip_bad_rows=True (the caller's script has
+    that flag), None (a script without that flag) refuses without the suggestion.
     Raises UserError if the file does not exist.
     """
     if not os.path.isfile(path):
@@ -76,7 +84,7 @@ def load_jsonl(path, skip_bad_rows=False):
                 problem = f"not a valid UTF-8 JSON line ({str(e).splitlines()[0][:80]})"
             if problem is not None:
                 if not skip_bad_rows:
-                    raise UserError(f"{path}:{lineno}: {problem} (--skip_bad_rows=True skips such lines)")
+                    raise UserError(f"{path}:{lineno}: {problem}{_skip_hint(skip_bad_rows, 'lines')}")
                 skipped += 1
                 continue
             out.append({"messages": obj["messages"], "task": "jsonl"})
@@ -105,14 +113,15 @@ def _split_rows(rows, split):
     return [r for i, r in enumerate(rows) if (i % HOLDOUT_EVERY == 0) == (split == "val")]
 
 
-def load_hf(name_or_path, split, skip_bad_rows=False):
+def load_hf(name_or_path, split, skip_bad_rows=None):
     """
     Conversations of a Hugging Face data set with a "messages" column, through `datasets`: a local .parquet / .json /
     .jsonl file or a directory of them, or a hub name such as HuggingFaceTB/smol-smoltalk (downloaded into
     <base_dir>/hf_datasets). `split` is "train" or "val": val is the data set's "validation", "val" or "test" split
     if it has one, else every HOLDOUT_EVERY-th row of "train" (and train the other rows).
     Returns (conversations, n_skipped) like load_jsonl, each {"messages", "task": "hf"}. A bad row raises
-    UserError("{name}[{hf split}] row {i}: what is wrong") unless skip_bad_rows. Raises UserError when the hub is not
+    UserError("{name}[{hf split}] row {i}: what is wrong") unless skip_bad_rows (True, False, None: as load_jsonl's,
+    the --skip_bad_rows=True suggestion only with False). Raises UserError when the hub is not
     reachable (fails within ~5 s; HF_HUB_OFFLINE=1 uses the cache only) or the data set cannot be loaded.
     """
     import datasets  # here, not at the top: it loads many modules (pandas, pyarrow, ...), needed by hf: only
@@ -152,7 +161,7 @@ def load_hf(name_or_path, split, skip_bad_rows=False):
         problem = validate_conversation(obj)
         if problem is not None:
             if not skip_bad_rows:
-                raise UserError(f"{name_or_path}[{hf_split}] row {i}: {problem} (--skip_bad_rows=True skips such rows)")
+                raise UserError(f"{name_or_path}[{hf_split}] row {i}: {problem}{_skip_hint(skip_bad_rows, 'rows')}")
             skipped += 1
             continue
         out.append({"messages": [{"role": m["role"], "content": m["content"]} for m in messages], "task": "hf"})
@@ -198,14 +207,15 @@ def parse_task_spec(spec):
     return out
 
 
-def load_task_mixture(spec, split, seed=0, skip_bad_rows=False):
+def load_task_mixture(spec, split, seed=0, skip_bad_rows=None):
     """
     The conversations of a task mixture (see parse_task_spec) for `split` ("train" or "val"), shuffled with
     random.Random(seed). For train, a weight is a multiplicity: 2 puts every row of that source in twice, 0.5 a
     seeded random half of its rows, 1.5 all once plus a seeded half. For val every source's validation rows are
     taken once (weights do not apply). Built-ins come from load_task(name, split, seed); JSONL files and hf sources
     without a validation split give every HOLDOUT_EVERY-th row to val. Rows repeated by a weight are the same dict
-    objects (do not mutate them). Skipped bad rows (skip_bad_rows=True) are reported with print0.
+    objects (do not mutate them). Skipped bad rows (skip_bad_rows=True) are reported with print0; skip_bad_rows is
+    load_jsonl's (None: the script has no --skip_bad_rows, and a bad row's message does not suggest it).
     Returns list[dict]. Raises UserError for a bad spec, a bad row (file:line) or an unloadable source.
     """
     if split not in ("train", "val"):

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import sys
@@ -50,6 +51,7 @@ BUILTIN_VAL_FRACTION = 0.05  # fraction of documents held out as the validation 
 ROWS_PER_GROUP = 256  # documents per parquet row group
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 MARKER = "_SUCCESS"
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # left in a str by JSON's "\\ud800" escapes (valid JSON, not Unicode)
 
 FINEWEB_REPO = "karpathy/fineweb-edu-100b-shuffle"
 FINEWEB_LAST_SHARD = 1822  # shard_01822.parquet, the validation shard
@@ -391,7 +393,7 @@ def _iter_jsonl(path, first, start):
                                     f"with a \"text\" string") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                     raise UserError(f"{path}:{lineno}: expected a JSON object with a \"text\" string field")
-                yield idx, obj["text"]
+                yield idx, LONE_SURROGATE.sub("\ufffd", obj["text"])
             idx += 1
     return idx - first
 
@@ -412,7 +414,10 @@ def iter_documents(files, start=0):
     """
     Yields (doc_index, text) for the documents of `files` in order; doc_index is the global 0-based index across the
     files. Documents before `start` are skipped cheaply: parquet files and row groups by their metadata row counts,
-    without reading their text. Deterministic. Raises UserError naming the file (and file:line for .jsonl) for a
+    without reading their text. Deterministic. Every text is a valid Unicode string: a lone surrogate that a .jsonl
+    line spells as a JSON escape ("\\ud800", valid JSON; a pair of escapes is one character) becomes U+FFFD, the
+    replacement character, as an undecodable byte would in a lenient decoder (so every reader, the tokenizer's
+    training included, sees the same text). Raises UserError naming the file (and file:line for .jsonl) for a
     missing, unsupported, or corrupt file.
     """
     if start < 0:

@@ -15,9 +15,10 @@ nanotrain's own parameter names (wte.weight, blocks.{i}.attn.c_q.weight, ..., lm
 
 import json
 import os
+import re
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import nanotrain
@@ -57,7 +58,9 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
     and are written from the CPU, contiguous. model_config: the GPTConfig (or its dict). dtype: None keeps the
     tensors' dtype (fp32 master weights), torch.bfloat16 halves the file (floating tensors only). metadata: optional
     dict of extra str -> str entries. Raises UserError if the state dict's names or shapes are not those of
-    GPT(model_config). Returns the path.
+    GPT(model_config), and an OSError naming `path` when the file cannot be written (safetensors reports a full disk
+    as a SafetensorError carrying the system's error number; it is raised as that OSError); no temporary file is
+    left. Returns the path.
     """
     config = _config_dict(model_config)
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) \
@@ -84,7 +87,13 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
     try:
-        save_file(tensors, tmp, metadata=meta)
+        try:
+            save_file(tensors, tmp, metadata=meta)
+        except SafetensorError as exc:  # "... I/O error: No space left on device (os error 28)"
+            code = re.search(r"\(os error (\d+)\)", str(exc))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from exc
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -6,7 +6,7 @@ eval table and PNG plots (matplotlib, Agg) of the losses and of tokens/s over st
 
 Each stage's section is kept as <stage>.md (and its numbers as <stage>.json) in the report directory; report.md is
 rebuilt from them in stage order after every write, so writing a stage again replaces its section. Every file is
-written atomically.
+written atomically. matplotlib keeps its caches in <base_dir>/matplotlib unless MPLCONFIGDIR is set.
 
     python -m nanotrain.report <run_name>      # (re)writes every stage's section it finds, prints the report path
 """
@@ -20,7 +20,17 @@ import time
 
 import torch
 
-from nanotrain.common import UserError, atomic_write_json, atomic_write_text, die, get_base_dir, git_commit, is_master
+from nanotrain.common import (
+    UserError,
+    atomic_write_json,
+    atomic_write_text,
+    die,
+    get_base_dir,
+    git_commit,
+    is_master,
+    os_error_line,
+    os_errors_name,
+)
 
 STAGES = ("base", "mid", "sft", "eval")
 TITLES = {"base": "Base training", "mid": "Midtraining", "sft": "Chat SFT", "eval": "Chat eval"}
@@ -132,17 +142,36 @@ def summarize(run_dir, stage, extra=None):
 # ----------------------------------------------------------------------------- plots
 
 def _save_png(fig, path):
+    """Saves `fig` to `path` through a temp file and os.replace; on any error the temp file is removed and the error
+    raised (an OSError without a file name, e.g. a full disk, then names `path`)."""
     tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    try:
+        with os_errors_name(path):
+            fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def use_plot_cache_dir():
+    """
+    Points matplotlib's config and cache directory (MPLCONFIGDIR) at <base_dir>/matplotlib unless the user set it, so
+    the report card writes nothing under $HOME. Must run before matplotlib is imported (it reads the variable then).
+    """
+    if not os.environ.get("MPLCONFIGDIR"):
+        os.environ["MPLCONFIGDIR"] = os.path.join(get_base_dir(), "matplotlib")
 
 
 def write_plots(run_dir, out_dir, stage):
     """
     Writes <out_dir>/<stage>_loss.png (train loss and the validation metric against the step) and
     <out_dir>/<stage>_tokens_per_sec.png (tokens/s against the step) from <run_dir>/metrics.jsonl, each only when
-    there is something to plot. Returns the list of file names written.
+    there is something to plot. Returns the list of file names written. matplotlib's caches go under the base
+    directory (use_plot_cache_dir).
     """
+    use_plot_cache_dir()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -351,6 +380,23 @@ def write_section(run_name, stage, run_dir, extra=None):
     return _assemble(run_name, out_dir)
 
 
+def write_section_or_warn(run_name, stage, run_dir, extra=None):
+    """
+    write_section for a script whose own work is done and saved (a finished training stage, chat_eval's results): a
+    report card that cannot be written (an OSError such as a full or read-only disk, or a UserError) is one
+    `warning: ...` line on stderr naming the problem and how to write the card later, and None is returned, so the
+    script still succeeds; write_section leaves no temporary file. Returns the report path otherwise (None on ranks
+    other than 0).
+    """
+    try:
+        return write_section(run_name, stage, run_dir, extra)
+    except (OSError, UserError) as exc:
+        why = os_error_line(exc) or (str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")
+        print(f"warning: the report card was not written: {why}; the {stage} stage itself is complete and saved "
+              f"(write the card later with: python -m nanotrain.report {run_name})", file=sys.stderr, flush=True)
+        return None
+
+
 def find_stage_dirs(run_name):
     """{stage: run_dir} of the stages of `run_name` present under the base dir; "eval" is the last stage's run
     directory (in the order base, mid, sft) that holds a chat_eval.json."""
@@ -382,6 +428,11 @@ def main(argv=None):
         print(path)
     except UserError as e:
         die(str(e))
+    except OSError as e:  # the user's environment (full or read-only disk, ...): one line; anything else a traceback
+        line = os_error_line(e)
+        if line is None:
+            raise
+        die(line, 1)
 
 
 if __name__ == "__main__":

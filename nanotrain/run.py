@@ -5,6 +5,7 @@ and the end of a stage (finish_run: the replica check under DDP, the summary, th
 What is inside checkpoints/ is nanotrain.checkpoint's.
 """
 
+import errno
 import json
 import os
 import socket
@@ -14,9 +15,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, any_rank, atomic_write_json, get_base_dir, is_distributed, print0
+from nanotrain.common import (
+    UserError,
+    all_reduce_scalar,
+    any_rank,
+    atomic_write_json,
+    get_base_dir,
+    is_distributed,
+    os_errors_name,
+    print0,
+)
 from nanotrain.fsdp import is_fsdp
-from nanotrain.report import write_section
+from nanotrain.report import write_section_or_warn
 
 try:  # POSIX (Linux, macOS); elsewhere runs are not locked
     import fcntl
@@ -28,9 +38,16 @@ _held_locks = {}  # real path of a run directory -> the open lock file this proc
 
 
 def get_run_dir(stage, run):
-    """<base_dir>/<stage>/<run>, created if missing. stage is "base", "mid" or "sft"."""
+    """
+    <base_dir>/<stage>/<run>, created if missing. stage is "base", "mid" or "sft". Raises NotADirectoryError
+    (ENOTDIR, naming the path; nanotrain.common.run_script prints it as one line) when its checkpoints/ exists but is
+    not a directory: found before the training, not at its first save.
+    """
     path = os.path.join(get_base_dir(), stage, run)
     os.makedirs(path, exist_ok=True)
+    ckpts = os.path.join(path, "checkpoints")
+    if os.path.lexists(ckpts) and not os.path.isdir(ckpts):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), ckpts)
     return path
 
 
@@ -39,28 +56,49 @@ def lock_run_dir(run_dir, device, rank=0):
     Makes this process the only writer of `run_dir` until it exits: rank 0 takes an exclusive fcntl.flock on
     <run_dir>/.lock and writes its pid, host, start time and command line into it. The kernel releases the lock
     however the process ends (SIGKILL included), so a finished or killed run never blocks the next one. Collective
-    under DDP (every rank calls it; `device` carries the agreement). Taking it again in the same process is a no-op.
-    Raises UserError naming the holder (pid, host, start, command) when another process holds the lock.
+    under DDP (every rank calls it; `device` carries the agreement, so every rank raises when rank 0 fails). Taking it
+    again in the same process is a no-op.
+    Raises UserError naming the holder (pid, host, start, command) when another process holds the lock. Raises the
+    OSError on rank 0 when the lock file cannot be opened or written (a directory named .lock, a read-only or full
+    file system; the lock is then not held), and UserError on the other ranks.
     """
     key = os.path.realpath(run_dir)
-    taken, holder = True, ""
+    taken, holder, error = True, "", None
     if rank == 0 and fcntl is not None and key not in _held_locks:
-        f = open(os.path.join(run_dir, LOCK_FILE), "a+")
+        path = os.path.join(run_dir, LOCK_FILE)
+        f = None
         try:
+            f = open(path, "a+")
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
             taken = False
-        else:
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                    f"{' '.join(sys.argv)}\n")
-            f.flush()
-            _held_locks[key] = f
-    if any_rank(not taken, device):
+        except OSError as exc:
+            error = exc
+        if taken and error is None:
+            try:
+                with os_errors_name(path):
+                    f.seek(0)
+                    f.truncate()
+                    f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv)}\n")
+                    f.flush()
+                _held_locks[key] = f
+            except OSError as exc:
+                error = exc
+        if error is not None and f is not None:
+            try:
+                f.close()
+            except OSError:  # the unwritten line of a full disk fails again on close
+                pass
+    state = int(all_reduce_scalar(2 if error is not None else 0 if taken else 1, "max", device))  # 1: held, 2: error
+    if error is not None:
+        raise error
+    if state == 2:
+        raise UserError(f"the run directory {run_dir} could not be locked on rank 0 (see its error)")
+    if state == 1:
         raise UserError(f"the run directory {run_dir} is in use by {holder or 'another process'}; wait for it to "
                         f"end or choose another --run_name")
 
@@ -104,32 +142,63 @@ class MetricsLog:
                                     f"resume again")
                 if row["step"] < resume_step or (row["step"] == resume_step and "dt" in row):
                     keep.append(line)
-            with open(self.path + ".tmp", "w", encoding="utf-8", errors="surrogateescape") as f:
-                f.writelines(keep)
-            os.replace(self.path + ".tmp", self.path)
+            tmp = self.path + ".tmp"
+            try:
+                with os_errors_name(self.path), open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+                    f.writelines(keep)
+                os.replace(tmp, self.path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
         self.file = open(self.path, "a")
 
     def log(self, **row):
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+        """
+        Appends `row` (JSON) as one line, flushed. Raises an OSError naming the file when it cannot be written (a full
+        disk); the file is then closed, and a resume drops the torn last line.
+        """
+        if self.file is not None and not self.file.closed:
+            try:
+                with os_errors_name(self.path):
+                    self.file.write(json.dumps(row) + "\n")
+                    self.file.flush()
+            except OSError:
+                self.close()
+                raise
 
     def close(self):
-        if self.file is not None:
-            self.file.close()
+        """Closes the file; a row that still cannot be written (a full disk) is dropped: the file is closed anyway."""
+        if self.file is not None and not self.file.closed:
+            try:
+                self.file.close()
+            except OSError:
+                pass
 
 
-def open_run_log(run_dir, settings, resume_step, master):
+def open_run_log(run_dir, settings, resume_step, master, device=None):
     """
     The start of a stage's records: prints the run directory and (rank 0) the final settings, writes them to
     <run_dir>/config.json atomically, and returns the MetricsLog of the run (resume_step: the step a resumed run
-    continues from, None for a fresh run).
+    continues from, None for a fresh run). With `device` (the scripts pass theirs) it is collective under DDP: when
+    rank 0 fails (an OSError such as a full or read-only disk, or the UserError of a metrics.jsonl it refuses), every
+    rank raises, rank 0 its own error and the others UserError, instead of the others waiting in the next collective.
     """
     print0(f"Run directory: {run_dir}")
-    metrics = MetricsLog(run_dir, resume_step, master)  # first: a metrics.jsonl it refuses leaves config.json as it was
-    if master:
-        print0("Config: " + json.dumps(settings, sort_keys=True))
-        atomic_write_json(os.path.join(run_dir, "config.json"), settings)
+    error, metrics = None, None
+    try:
+        metrics = MetricsLog(run_dir, resume_step, master)  # first: one it refuses leaves config.json as it was
+        if master:
+            print0("Config: " + json.dumps(settings, sort_keys=True))
+            atomic_write_json(os.path.join(run_dir, "config.json"), settings)
+    except (OSError, UserError) as exc:
+        error = exc
+        if metrics is not None:
+            metrics.close()
+    if device is not None and any_rank(error is not None, device) and error is None:
+        raise UserError(f"rank 0 could not open the records of {run_dir} (see its error)")
+    if error is not None:
+        raise error
     return metrics
 
 
@@ -137,13 +206,15 @@ def finish_run(model, run_dir, stage, metrics, t_start, summary):
     """
     The end of a training stage: checks that DDP replicas agree (check_replicas), prints the stage's summary line
     and where the outputs are, closes the metrics log and writes the stage's section of the report card
-    (nanotrain.report.write_section, rank 0) with the stage's wall time since t_start (time.time() seconds).
+    (nanotrain.report.write_section_or_warn, rank 0: one `warning: ...` line when it cannot be written, the stage
+    still succeeds) with the stage's wall time since t_start (time.time() seconds).
     """
     check_replicas(model)
     print0(summary)
     print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
     metrics.close()
-    report = write_section(os.path.basename(run_dir), stage, run_dir, {"wall_time_s": time.time() - t_start})
+    # the training and its checkpoint are done: a report card that cannot be written is a warning, not a failure
+    report = write_section_or_warn(os.path.basename(run_dir), stage, run_dir, {"wall_time_s": time.time() - t_start})
     if report:  # rank 0 only
         print0(f"Report card: {report}")
 

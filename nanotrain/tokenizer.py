@@ -106,7 +106,8 @@ class Tokenizer:
         `path` with one rename. A kill at any instant leaves either the old pair or the new pair (readers take the
         newest complete copy: from_directory, get_token_bytes); an error while writing leaves the old pair as it was
         and no temp directory. `path` holds these two files only: anything else in it is replaced with it. A
-        symlinked `path` is written through (its target is replaced). Raises OSError.
+        symlinked `path` is written through (its target is replaced). Raises OSError (naming the file in `path`, not
+        its temporary copy).
         """
         path = os.path.realpath(path)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -129,8 +130,11 @@ class Tokenizer:
             fsync_path(tmp)
             atomic_write_text(os.path.join(tmp, TOKENIZER_FILE), json.dumps(data) + "\n")  # the marker: last
             fsync_path(tmp)
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
+            name = os.fsdecode(exc.filename) if isinstance(exc, OSError) and exc.filename is not None else ""
+            if name.startswith(tmp + os.sep):  # name the file the user knows, not the temp directory's copy
+                raise OSError(exc.errno, exc.strerror, path + name[len(tmp):]) from exc
             raise
         commit(tmp, path, TOKENIZER_FILE)
 

@@ -12,6 +12,9 @@ for autograd (InputMetadata asks for a CUDA device guard, which such a build lac
 the CPU flash-attention kernel, whose memory matches CUDA's flash attention) and says so.
 """
 
+import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
+
+# isort: split
 import time
 
 import torch

@@ -237,7 +237,7 @@ def main():
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "
            f"{total_steps * total_batch_size / num_params:.1f} tokens/param)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    metrics = open_run_log(run_dir, config, ckpt["meta"]["step"] if ckpt is not None else None, master)
+    metrics = open_run_log(run_dir, config, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": config, "model_config": vars(model_config), "tokens_seen": tokens_seen,
@@ -321,4 +321,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_script(main)
+    run_script(main, trains=True)

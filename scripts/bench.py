@@ -26,6 +26,9 @@ process and times them interleaved, `pairs` rounds of `pair_steps` steps each, A
 odd ones (drift cancels); "vs.ratios" is tokens/s of B / tokens/s of A per round and "vs.median_ratio" their median.
 """
 
+import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
+
+# isort: split
 import contextlib
 import json
 import os

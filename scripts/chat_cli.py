@@ -8,6 +8,9 @@ Chat with a trained model in the terminal.
 Interactive: type a message and press enter; 'clear' starts a new conversation, 'quit', 'exit' or Ctrl-D leaves.
 """
 
+import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
+
+# isort: split
 import sys
 
 import torch

@@ -294,7 +294,7 @@ def main():
            f"and <= {max_conversations_per_device} conversations per rank; {'packed' if packing else 'padded'} rows")
     print0(f"Steps: {total_steps:,} ({total_steps / epoch_steps:.2f} epochs of {epoch_steps} steps)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master)
+    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
@@ -387,4 +387,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_script(main)
+    run_script(main, trains=True)

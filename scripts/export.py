@@ -9,6 +9,9 @@ With --verify=True (default) the written file is loaded back and its logits on a
 the checkpoint model's: identical for a float32 export, within bf16 rounding for bfloat16 (the difference is printed).
 """
 
+import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
+
+# isort: split
 import os
 
 import torch

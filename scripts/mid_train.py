@@ -249,7 +249,7 @@ def main():
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, {total_steps / epoch_steps:.2f} "
            f"epochs)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master)
+    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
@@ -334,4 +334,4 @@ def main():
 
 
 if __name__ == "__main__":
-    run_script(main)
+    run_script(main, trains=True)

@@ -5,6 +5,9 @@ Complete a prompt with a trained checkpoint.
     python scripts/sample.py --stage=base --run_name=d4 --step=-1 --prompt="def add(a, b):"
 """
 
+import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
+
+# isort: split
 import sys
 
 import torch

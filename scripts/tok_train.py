@@ -8,10 +8,13 @@ was) a split with no text or train text too small to learn any merge; the files 
     python scripts/tok_train.py --data=fineweb-edu --vocab_size=32768   # as in nanochat
 """
 
+import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
+
+# isort: split
 import os
 import time
 
-from nanotrain.common import UserError, die
+from nanotrain.common import UserError, os_errors_name, run_script
 from nanotrain.dataset import iter_documents, resolve_data_files
 from nanotrain.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer_dir
 
@@ -40,7 +43,7 @@ def capped_texts(files, stats):
             return
 
 
-try:
+def main():
     train_files = resolve_data_files(data, "train")
     val_files = resolve_data_files(data, "val")
     print(f"training a {vocab_size}-token BPE tokenizer on --data={data} ({len(train_files)} train files), "
@@ -61,15 +64,18 @@ try:
             break
     val_tokens = sum(len(ids) for ids in tokenizer.encode(val_texts))
     out_dir = get_tokenizer_dir()
-    tokenizer.save(out_dir)
-except UserError as e:
-    die(str(e))
+    with os_errors_name(out_dir):  # its errors name the tokenizer files (or the directory), not their temp files
+        tokenizer.save(out_dir)
 
-print(f"trained on {stats['docs']:,} documents, {stats['chars']:,} chars")
-if tokenizer.get_vocab_size() < vocab_size:
-    print(f"warning: the text ran out of pairs to merge: vocab size {tokenizer.get_vocab_size()} < {vocab_size}")
-print(f"vocab size: {tokenizer.get_vocab_size()}")
-print(f"training time: {train_seconds:.2f} s")
-print(f"compression: {val_chars / max(val_tokens, 1):.3f} chars/token on {len(val_texts)} val documents "
-      f"({val_chars:,} chars, {val_tokens:,} tokens)")
-print(f"saved to {os.path.join(out_dir, 'tokenizer.json')}")
+    print(f"trained on {stats['docs']:,} documents, {stats['chars']:,} chars")
+    if tokenizer.get_vocab_size() < vocab_size:
+        print(f"warning: the text ran out of pairs to merge: vocab size {tokenizer.get_vocab_size()} < {vocab_size}")
+    print(f"vocab size: {tokenizer.get_vocab_size()}")
+    print(f"training time: {train_seconds:.2f} s")
+    print(f"compression: {val_chars / max(val_tokens, 1):.3f} chars/token on {len(val_texts)} val documents "
+          f"({val_chars:,} chars, {val_tokens:,} tokens)")
+    print(f"saved to {os.path.join(out_dir, 'tokenizer.json')}")
+
+
+if __name__ == "__main__":
+    run_script(main)

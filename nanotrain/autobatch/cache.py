@@ -5,6 +5,7 @@ margin, torch version, allocator settings and a fingerprint of the code), and th
 size is trusted again.
 """
 
+import errno
 import hashlib
 import inspect
 import json
@@ -89,15 +90,30 @@ def check_probes(batch_size, probes, limit_bytes):
                          f"not fit: {no_fit})")
 
 
+def check_cache_location(path):
+    """
+    Raises the OSError that writing the cache entry `path` would raise after the whole search, before it starts:
+    NotADirectoryError naming the cache directory when that is a file, IsADirectoryError naming `path` when the entry
+    is a directory (nanotrain.common.run_script prints either as one line: move it away). Returns None otherwise.
+    """
+    directory = os.path.dirname(path)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+
+
 def read_cached(key, limit_bytes, log=print0):
     """
     The cached device batch size (int) for `key`, or None when there is no entry or it is ignored. limit_bytes: the
     largest margin * budget over the ranks, in bytes (a probe records the max peak over the ranks). A file that is not
     valid JSON, whose stored key differs from `key` (foreign or edited), whose size is not a candidate or whose probes
     do not give that size within limit_bytes (check_probes) is ignored with one warning line naming the file (and left
-    to be replaced). Never raises for the file's contents.
+    to be replaced). Never raises for the file's contents; raises check_cache_location's OSError when the entry could
+    not be written (a directory in its place, a file in the cache directory's).
     """
     path = cache_path(key)
+    check_cache_location(path)
     if not os.path.exists(path):
         return None
     try:
