@@ -136,50 +136,66 @@ def test_a_state_for_other_settings_is_refused():
 
 # ----------------------------------------------------------------------------- 2 gloo ranks
 
-def _ddp_worker(rank, world, port, out_dir):
+def _ddp_worker(rank, world, port, out_dir, mode):
     import os
 
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    model, optimizers, osft = setup(0.5)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    model = tiny_model()
+    if mode == "fsdp":
+        from nanotrain.fsdp import shard_model
+        model = shard_model(model, torch.device("cpu"), torch.float32)
+    optimizers = model.setup_optimizers(weight_decay=0.1, muon_weight_decay=0.1, unembedding_lr=0.05,
+                                        ns_dtype="float32")
+    osft = OSFT(model, 0.5, "attn,mlp,lm_head")
+    osft.attach(optimizers)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" and world > 1 else model
     for s in range(3):
         rows = [b for b in batches(s, 4)][rank::world]  # rank r takes every world-th micro-batch of the step
         forward_backward(ddp, rows, nullcontext())
         optimizer_step(model, optimizers, 1.0, 0.95, 1.0)
-    torch.save({"bases": osft.state_dict()["bases"], "params": dict(model.named_parameters())},
-               os.path.join(out_dir, f"rank{rank}_of{world}.pt"))
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in model.named_parameters()}
+    torch.save({"bases": osft.state_dict()["bases"], "params": params},
+               os.path.join(out_dir, f"{mode}_rank{rank}_of{world}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.mark.dist
-@pytest.mark.slow  # ~6 s; the single-process projection math stays in the default tier (tests above)
-@pytest.mark.timeout(180)
-def test_two_gloo_ranks_equal_one(tmp_path):
+@pytest.mark.slow  # ~15 s; the single-process projection math stays in the default tier (tests above)
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks_equal_one_under_ddp_and_fsdp(tmp_path):
     """
-    3 OSFT steps under DDP on 2 gloo ranks (each rank half of the micro-batches) and in 1 process (all of them):
-    the bases are bitwise equal on both ranks (computed on rank 0 and broadcast), the two replicas are bitwise
-    equal, and they equal the 1-process weights to fp32 roundoff. Catches bases that differ between ranks or a
-    projection applied before DDP's gradient average.
+    3 OSFT steps (Muon in fp32 with cautious weight decay, AdamW's lm_head with weight decay) in 1 process on all
+    micro-batches, and on 2 gloo ranks (each half of them) under DDP and under FSDP2 (parameters sharded on dim 0):
+    the bases are bitwise equal on every rank and mode (computed on rank 0 and broadcast; under FSDP2 from the
+    gathered matrix), each mode's two replicas are bitwise equal, every run equals the 1-process weights to fp32
+    roundoff, and the frozen components U_h^T W V_h are unchanged under FSDP2 too. Catches bases that differ between
+    ranks, a projection applied to a gradient shard as if it were the whole matrix, and a projection before DDP's
+    gradient average.
     """
     import socket
 
     import torch.multiprocessing as mp
-    for world in (1, 2):
+    for world, mode in ((1, "one"), (2, "ddp"), (2, "fsdp")):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_ddp_worker, args=(world, port, str(tmp_path)), nprocs=world, join=True)
-    one = torch.load(tmp_path / "rank0_of1.pt", weights_only=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}_of2.pt", weights_only=True) for r in (0, 1))
-    for name, (u, v) in r0["bases"].items():
-        assert torch.equal(u, r1["bases"][name][0]) and torch.equal(v, r1["bases"][name][1])
-        assert torch.equal(u, one["bases"][name][0])
-    for name, p in r0["params"].items():
-        assert torch.equal(p, r1["params"][name]), name
-        assert (p - one["params"][name]).norm() <= 1e-5 * p.norm(), name
+        mp.spawn(_ddp_worker, args=(world, port, str(tmp_path), mode), nprocs=world, join=True)
+    one = torch.load(tmp_path / "one_rank0_of1.pt", weights_only=True)
+    start = dict(tiny_model().named_parameters())
+    for mode in ("ddp", "fsdp"):
+        r0, r1 = (torch.load(tmp_path / f"{mode}_rank{r}_of2.pt", weights_only=True) for r in (0, 1))
+        for name, (u, v) in r0["bases"].items():
+            assert torch.equal(u, r1["bases"][name][0]) and torch.equal(v, r1["bases"][name][1]), (mode, name)
+            assert torch.equal(u, one["bases"][name][0]) and torch.equal(v, one["bases"][name][1]), (mode, name)
+            w0, w1 = start[name].detach(), r0["params"][name]
+            assert (u.T @ (w1 - w0) @ v).norm() <= 1e-6 * (u.T @ w0 @ v).norm(), (mode, name)
+        for name, p in r0["params"].items():
+            assert torch.equal(p, r1["params"][name]), (mode, name)
+            assert (p - one["params"][name]).norm() <= 1e-5 * p.norm(), (mode, name)
 
 
 # ----------------------------------------------------------------------------- the stages end to end
