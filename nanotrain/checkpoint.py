@@ -9,6 +9,7 @@ Layout of a run directory (<base_dir>/<stage>/<run>/):
         optim.pt                list of optimizer state dicts (identical on every rank under DDP; saved by rank 0)
                                 (under FSDP2 the shards are gathered first: the files are the same in both modes,
                                 so a run can resume with or without --fsdp; nanotrain.fsdp)
+        osft.pt                 the frozen bases of an orthogonal subspace fine-tuning stage (nanotrain.osft), if any
         rank_00000.pt ...       per-rank state: RNG states and the data loader position
         meta.json               step, settings, model config, tokens seen, the tokenizer's sha256, version, git
                                 commit (written last)
@@ -53,6 +54,7 @@ from nanotrain.tensor_file import CheckpointError, load_tensor_file  # noqa: F40
 from nanotrain.tokenizer import get_tokenizer
 
 CHECKPOINT_FORMAT = 2  # 2: the model gained value embeddings, smear, backout and x0/resid lambdas
+OSFT_FILE = "osft.pt"  # the frozen bases of an OSFT stage (nanotrain.osft), when it has them
 MARKER = "meta.json"  # written last into a checkpoint directory: a directory holding it is complete
 
 
@@ -102,13 +104,15 @@ def _save_failed(exc, root, final, tmp, rank):
                      f"removed and {kept}; free space, then run again with --resume=True")
 
 
-def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, world_size=1, keep_last=0):
+def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, world_size=1, keep_last=0,
+                    osft_state=None):
     """
     Writes checkpoints/step_{step:06d}/ atomically. Collective under DDP and FSDP: every rank must call it.
     model: the unwrapped nn.Module (its state dict is saved by rank 0; a model sharded with FSDP2 is gathered first,
     so the file is the unsharded state dict); optimizers: list (rank 0 saves their states, gathered likewise);
     meta: JSON-serialisable dict (step, version and git commit are added); rank_state: this rank's dict of tensors and
-    plain values (RNG, loader state). keep_last > 0 deletes all but the newest keep_last checkpoints.
+    plain values (RNG, loader state). keep_last > 0 deletes all but the newest keep_last checkpoints. osft_state: the
+    frozen bases of orthogonal subspace fine-tuning (nanotrain.osft.OSFT.state_dict), saved by rank 0 as osft.pt.
     The write is safe at every instant (nanotrain.durable): first the copies an interrupted earlier save left are
     recovered (a complete one renamed into place, incomplete ones removed), then the files go into
     step_XXXXXX.tmp/, each fsynced, meta.json last, and rank 0 commits the directory with a rename and an fsync of
@@ -134,6 +138,8 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
         if rank == 0:
             _save_tensors(model_state, os.path.join(tmp, "model.pt"))
             _save_tensors(optim_states, os.path.join(tmp, "optim.pt"))
+            if osft_state is not None:
+                _save_tensors(osft_state, os.path.join(tmp, OSFT_FILE))
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
         raise _save_failed(exc, root, final, tmp, rank) from None
     except KeyboardInterrupt:  # a second Ctrl-C: the unfinished copy goes (the previous checkpoint is intact)
@@ -318,7 +324,8 @@ def _check_model_state(model_file, state, meta_file, meta):
 
 def load_checkpoint(path, device, rank=0, load_optimizer=True, meta_keys=()):
     """
-    Loads one checkpoint directory. Returns {"meta", "model", "optim" (or None), "rank_state" (or None), "path"},
+    Loads one checkpoint directory. Returns {"meta", "model", "optim" (or None), "rank_state" (or None), "osft" (the
+    OSFT bases of osft.pt, loaded with the optimizer state; None without), "path"},
     tensors mapped to `device` (rank state stays on the CPU). rank_state is None when the checkpoint was written by
     fewer than rank + 1 processes; with load_optimizer (a resume) a missing rank file of a rank that did write is an
     incomplete checkpoint. meta_keys: the keys of meta.json the caller needs besides "step" and "world_size"
@@ -358,7 +365,13 @@ def load_checkpoint(path, device, rank=0, load_optimizer=True, meta_keys=()):
         rank_state = load_tensor_file(rank_file, "cpu")
         if not isinstance(rank_state, dict):
             raise CheckpointError(rank_file, f"holds a {type(rank_state).__name__}, not this rank's state (a dict)")
-    return {"meta": meta, "model": model, "optim": optim, "rank_state": rank_state, "path": path}
+    osft = None
+    osft_file = os.path.join(path, OSFT_FILE)
+    if load_optimizer and os.path.exists(osft_file):
+        osft = load_tensor_file(osft_file, device)
+        if not isinstance(osft, dict) or not isinstance(osft.get("bases"), dict):
+            raise CheckpointError(osft_file, "is not the OSFT state (a dict with the bases)")
+    return {"meta": meta, "model": model, "optim": optim, "rank_state": rank_state, "osft": osft, "path": path}
 
 
 def skip_reason(exc):

@@ -233,6 +233,7 @@ RULES = {
     "grad_clip": reals(0, note="0 turns clipping off"),
     "warmup_ratio": reals(0, 1, note="a fraction of the steps"),
     "warmdown_ratio": reals(0, 1, note="a fraction of the steps"),
+    "osft_rank_ratio": Rule("a number in [0, 1) (0 turns OSFT off)", lambda v: _is_real(v) and 0 <= v < 1),
     # evaluation, checkpoints
     "eval_tokens": COUNT,
     "eval_examples": COUNT,

@@ -5,7 +5,9 @@ Chat SFT: fine-tune on conversations, training only on the assistant's tokens (t
     python scripts/chat_sft.py --jsonl=/data/chat.jsonl --skip_bad_rows=True
     torchrun --standalone --nproc_per_node=8 scripts/chat_sft.py --max_tokens_per_device=16384
 
-Starts from the newest mid checkpoint (or base, with --source=base or when there is no mid run).
+Starts from the newest mid checkpoint (or base, with --source=base or when there is no mid run; or an SFT run, with
+--source=sft, for a second SFT on new skills). --osft_rank_ratio=r > 0 keeps each block matrix's top singular
+directions (a fraction r of them) out of every update, so a fine-tuning stage forgets less (nanotrain.osft).
 Each optimizer step takes the next examples_per_step conversations of the shuffled mixture (ConversationSampler) and
 spreads them over ranks and micro-batches longest-first (nanotrain.sft_data.lpt_pack) under max_tokens_per_device
 tokens per micro-batch, so every rank runs the same number of micro-batches (a rank with nothing left runs a
@@ -53,6 +55,7 @@ from nanotrain.configurator import configure
 from nanotrain.conversations import load_task_mixture
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.osft import OSFT
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.sft_data import (
     LONG_POLICIES,
@@ -76,7 +79,8 @@ from nanotrain.training import (
 
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/sft/<run_name>; "" means the source run's name
-source = "mid"  # the stage to start from: mid | base (mid falls back to base when there is no mid checkpoint)
+source = "mid"  # the stage to start from: mid | base | sft (mid falls back to base when there is no mid checkpoint;
+# sft: a second SFT on new skills from an SFT run, which needs its own --run_name)
 source_run_name = ""  # the run of that stage; "" picks the one with the newest checkpoint
 tasks = "arith:1,spell:1,identity:2"  # task mixture: NAME[:WEIGHT] of arith, spell, identity, jsonl:PATH, hf:NAME
 jsonl = ""  # an extra JSONL file of conversations ({"messages": [...]} per line; every 20th line is held out for val)
@@ -117,19 +121,27 @@ resume = False  # continue from the newest complete checkpoint of this run
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model; None means on for CUDA (packed rows vary in length: recompiles, so off)
 activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
+# continual fine-tuning
+osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of each matrix's top singular directions frozen
+osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head
 config = configure(globals(), none_types={"num_iterations": (int,), "max_tokens_per_device": (int,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,),
                                           "max_seq_len": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
-RESUME_KEYS = ("tasks", "jsonl", "skip_bad_rows", "seed", "examples_per_step", "max_seq_len", "long_conversations")
+RESUME_KEYS = ("tasks", "jsonl", "skip_bad_rows", "seed", "examples_per_step", "max_seq_len", "long_conversations",
+               "osft_rank_ratio", "osft_matrices")
 MUON_MOMENTUM = 0.95  # constant in SFT (nanochat chat_sft keeps Muon's default)
 
 
 def find_source_dir():
-    """The run directory to start from and its stage ("mid" or "base"). Raises UserError if there is none."""
-    if source not in ("mid", "base"):
-        raise UserError(f"--source={source!r}: expected 'mid' or 'base'")
+    """The run directory to start from and its stage ("mid", "base" or "sft"). Raises UserError if there is none, or
+    if a second SFT (source "sft") would write into its source run."""
+    if source not in ("mid", "base", "sft"):
+        raise UserError(f"--source={source!r}: expected 'mid', 'base' or 'sft'")
+    if source == "sft" and (not run_name or run_name == source_run_name or not source_run_name):
+        raise UserError("--source=sft: name the SFT run to start from (--source_run_name) and a new --run_name for "
+                        "this one (a second SFT must not write into its source run)")
     run_dir = find_run_dir(source, source_run_name)
     if run_dir is None and source == "mid" and not source_run_name:
         run_dir = find_run_dir("base")
@@ -198,7 +210,8 @@ def main():
     # B*max_seq_len tokens, or B padded rows) whose training step fits; then max_tokens_per_device = B*max_seq_len.
     # Probed before the model is built.
     if max_tokens_per_device is None:
-        build = sft_builder(model_config, packing, activation_checkpointing, **opt_kwargs)
+        build = sft_builder(model_config, packing, activation_checkpointing, osft_rank_ratio=osft_rank_ratio,
+                            osft_matrices=osft_matrices, **opt_kwargs)
         rows, _ = discover_device_batch_size(
             build, max_seq_len=max_seq_len, vocab_size=model_config.vocab_size,
             total_batch_size=max_seq_len * world_size * 64, world_size=world_size, device=device,
@@ -245,6 +258,16 @@ def main():
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")
+    osft = None  # orthogonal subspace fine-tuning: the bases from the start of the stage, kept across resumes
+    if osft_rank_ratio > 0:
+        if ckpt is not None and ckpt["osft"] is None:
+            raise UserError(f"--resume=True: the checkpoint {ckpt['path']} has no OSFT bases (osft.pt)")
+        t_svd = time.time()
+        osft = OSFT(orig_model, osft_rank_ratio, osft_matrices, state=ckpt["osft"] if ckpt is not None else None)
+        osft.attach(optimizers)
+        print0(f"OSFT: {len(osft.bases)} matrices ({osft_matrices}), top {osft_rank_ratio:.0%} of their singular "
+               f"directions frozen, bases {osft.nbytes() / 2**20:.1f} MiB, "
+               f"{'loaded' if ckpt is not None else 'SVD'} in {time.time() - t_svd:.2f} s")
     if use_compile:
         model = torch.compile(model, dynamic=True)
     if is_ddp:
@@ -280,7 +303,8 @@ def main():
                 "max_conversations_per_device": max_conversations_per_device,
                 "examples_per_step": examples_per_step}
         rank_state = {"rng": rng_state(device), "sampler": sampler.state_dict()}
-        path = save_checkpoint(run_dir, step, orig_model, optimizers, meta, rank_state, rank, world_size, keep_last)
+        path = save_checkpoint(run_dir, step, orig_model, optimizers, meta, rank_state, rank, world_size, keep_last,
+                               osft_state=osft.state_dict() if osft is not None else None)
         print0(f"Saved checkpoint {path}")
 
     # ------------------------------------------------------------------------- training loop

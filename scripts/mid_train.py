@@ -9,6 +9,8 @@ format (nanotrain.tokenizer.render_conversation), concatenated and cut into rows
 like pretraining, and every token is trained, the user's included (nanochat's choice: mid-training is still
 language modelling, now on chat-formatted text; only chat_sft masks the loss to the assistant's tokens).
 Conversations run across row boundaries with plain causal attention, as documents do in base_train.
+--osft_rank_ratio=r > 0 keeps each block matrix's top singular directions (a fraction r of them) out of every update,
+so the base model's knowledge is overwritten less (orthogonal subspace fine-tuning, nanotrain.osft).
 Outputs go to <base_dir>/mid/<run>/ (config.json, metrics.jsonl, checkpoints/), read by scripts/chat_sft.py.
 """
 
@@ -50,6 +52,7 @@ from nanotrain.dataloader import ConversationTokenStream
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.osft import OSFT
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
@@ -103,12 +106,16 @@ resume = False  # continue from the newest complete checkpoint of this run
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
 activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
+# continual fine-tuning
+osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of each matrix's top singular directions frozen
+osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head
 config = configure(globals(), none_types={"num_iterations": (int,), "max_seq_len": (int,),
                                           "device_batch_size": (int,), "total_batch_size": (int,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
-RESUME_KEYS = ("tasks", "seed", "max_seq_len", "total_batch_size")  # device_batch_size may change: same tokens
+RESUME_KEYS = ("tasks", "seed", "max_seq_len", "total_batch_size",  # device_batch_size may change: same tokens
+               "osft_rank_ratio", "osft_matrices")
 SAMPLE_QUESTIONS = ["What is 23 + 19?", 'Spell the word "return".', "Who are you?"]
 
 
@@ -153,7 +160,8 @@ def main():
     elif auto_batch_size:
         record_path = os.path.join(run_dir, "auto_batch_size.json")
         device_batch_size, ab_record = discover_device_batch_size(
-            gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **opt_kwargs),
+            gpt_builder(model_config, activation_checkpointing=activation_checkpointing,
+                        osft_rank_ratio=osft_rank_ratio, osft_matrices=osft_matrices, **opt_kwargs),
             max_seq_len=max_seq_len, vocab_size=model_config.vocab_size, total_batch_size=total_batch_size,
             world_size=world_size, device=device, amp_dtype=compute_dtype, compile=use_compile,
             margin=batch_size_margin, device_memory_gb=device_memory_gb, max_batch_size=max_batch_size,
@@ -181,6 +189,16 @@ def main():
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")
+    osft = None  # orthogonal subspace fine-tuning: the bases from the start of the stage, kept across resumes
+    if osft_rank_ratio > 0:
+        if ckpt is not None and ckpt["osft"] is None:
+            raise UserError(f"--resume=True: the checkpoint {ckpt['path']} has no OSFT bases (osft.pt)")
+        t_svd = time.time()
+        osft = OSFT(orig_model, osft_rank_ratio, osft_matrices, state=ckpt["osft"] if ckpt is not None else None)
+        osft.attach(optimizers)
+        print0(f"OSFT: {len(osft.bases)} matrices ({osft_matrices}), top {osft_rank_ratio:.0%} of their singular "
+               f"directions frozen, bases {osft.nbytes() / 2**20:.1f} MiB, "
+               f"{'loaded' if ckpt is not None else 'SVD'} in {time.time() - t_svd:.2f} s")
     if use_compile:
         model = torch.compile(model, dynamic=False)
     if is_ddp:
@@ -239,7 +257,8 @@ def main():
                 "train_time": train_time, "device_batch_size": device_batch_size, "max_seq_len": max_seq_len,
                 "total_batch_size": total_batch_size, "source": source_path}
         rank_state = {"rng": rng_state(device), "loader": train_stream.state_dict()}
-        path = save_checkpoint(run_dir, step, orig_model, optimizers, meta, rank_state, rank, world_size, keep_last)
+        path = save_checkpoint(run_dir, step, orig_model, optimizers, meta, rank_state, rank, world_size, keep_last,
+                               osft_state=osft.state_dict() if osft is not None else None)
         print0(f"Saved checkpoint {path}")
 
     # ------------------------------------------------------------------------- training loop
