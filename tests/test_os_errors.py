@@ -324,6 +324,8 @@ def test_report_card_matplotlib_cache_goes_under_the_base_dir(tmp_path, monkeypa
 
 
 @pytest.mark.smoke
+@pytest.mark.slow  # ~12 s with its set-up; test_report_card_that_cannot_be_written_is_a_warning_and_leaves_no_temp_png
+# keeps the warning and the clean-up in the default run
 def test_finished_run_with_a_full_disk_at_the_report_card_exits_0(shared_base_dir, tmp_path):
     """End to end: base_train whose report card PNG cannot be written (injected full disk) trains, saves its final
     checkpoint and exits 0 with one `warning:` line and no temp file; matplotlib wrote nothing under $HOME but its

@@ -266,6 +266,7 @@ def test_chat_sft_with_osft_resumes_exactly_after_sigterm(osft_base):
 
 
 @pytest.mark.smoke
+@pytest.mark.slow  # ~6 s; the default run checks --help itself (test_configurator.py::test_script_override_and_help)
 def test_the_flag_is_in_both_stages_help():
     """--help of mid_train and chat_sft lists osft_rank_ratio and osft_matrices with their ranges."""
     import subprocess

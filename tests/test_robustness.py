@@ -512,6 +512,7 @@ def test_sigterm_at_any_moment_then_resume_equals_the_straight_run(stopped_runs,
     assert sorted(got) == list(range(1, 13)) and all(got[s] == want[s] for s in want), (got, want)
 
 
+@pytest.mark.slow  # ~20 s; tests/test_checkpoint_kill.py kills a save before each of its file-system operations in the default run
 def test_sigkill_during_checkpoint_writes_leaves_a_usable_checkpoint(base_dir):
     """
     SIGKILL (no handler can run) right after step 6's log line of a run that saves every step, so the kill lands in
