@@ -35,11 +35,12 @@ and 16 m n k FLOPs per step (two projections, each X - U_h (U_h^T X) then Y - (Y
 """
 
 import re
+import time
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError
+from nanotrain.common import UserError, print0
 
 # which matrices --osft_matrices names: the blocks' attention and MLP matrices, and the unembedding
 MATRIX_PATTERNS = {
@@ -178,3 +179,23 @@ class OSFT:
     def nbytes(self):
         """Bytes the bases take (fp32), all matrices together."""
         return sum(u.numel() * 4 + v.numel() * 4 for u, v in self.bases.values())
+
+
+def setup_osft(model, optimizers, rank_ratio, matrices, ckpt=None):
+    """
+    What mid_train and chat_sft do at the start of a stage: None when rank_ratio is 0 (OSFT off); else the OSFT of
+    `model` (the unwrapped GPT) with its hooks attached to `optimizers`, its bases taken from the resumed checkpoint
+    `ckpt` (load_checkpoint's dict; its "osft") or computed now, and one line on rank 0 (matrices, fraction frozen,
+    bases' MiB, seconds). Collective under torch.distributed. Raises UserError when `ckpt` has no bases.
+    """
+    if rank_ratio <= 0:
+        return None
+    if ckpt is not None and ckpt["osft"] is None:
+        raise UserError(f"--resume=True: the checkpoint {ckpt['path']} has no OSFT bases (osft.pt)")
+    t0 = time.time()
+    osft = OSFT(model, rank_ratio, matrices, state=ckpt["osft"] if ckpt is not None else None)
+    osft.attach(optimizers)
+    print0(f"OSFT: {len(osft.bases)} matrices ({matrices}), top {rank_ratio:.0%} of their singular directions "
+           f"frozen, bases {osft.nbytes() / 2**20:.1f} MiB, {'loaded' if ckpt is not None else 'SVD'} in "
+           f"{time.time() - t0:.2f} s")
+    return osft

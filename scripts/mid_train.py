@@ -52,7 +52,7 @@ from nanotrain.dataloader import ConversationTokenStream
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.loss_eval import evaluate_bpb
-from nanotrain.osft import OSFT
+from nanotrain.osft import setup_osft
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
@@ -189,16 +189,8 @@ def main():
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")
-    osft = None  # orthogonal subspace fine-tuning: the bases from the start of the stage, kept across resumes
-    if osft_rank_ratio > 0:
-        if ckpt is not None and ckpt["osft"] is None:
-            raise UserError(f"--resume=True: the checkpoint {ckpt['path']} has no OSFT bases (osft.pt)")
-        t_svd = time.time()
-        osft = OSFT(orig_model, osft_rank_ratio, osft_matrices, state=ckpt["osft"] if ckpt is not None else None)
-        osft.attach(optimizers)
-        print0(f"OSFT: {len(osft.bases)} matrices ({osft_matrices}), top {osft_rank_ratio:.0%} of their singular "
-               f"directions frozen, bases {osft.nbytes() / 2**20:.1f} MiB, "
-               f"{'loaded' if ckpt is not None else 'SVD'} in {time.time() - t_svd:.2f} s")
+    # orthogonal subspace fine-tuning: the bases from the start of the stage, kept across resumes (or None)
+    osft = setup_osft(orig_model, optimizers, osft_rank_ratio, osft_matrices, ckpt)
     if use_compile:
         model = torch.compile(model, dynamic=False)
     if is_ddp:

@@ -115,3 +115,14 @@ def run_with_kill(monkeypatch, fn, kill_at):
         except Killed:
             return done, True
     return done, False
+
+
+def same(a, b):
+    """Nested dicts/lists of tensors and plain values are equal: tensors with torch.equal, the rest with ==."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b

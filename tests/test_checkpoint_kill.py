@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import REPO, TINY_TRAIN, run_script, run_with_kill
+from helpers import REPO, TINY_TRAIN, run_script, run_with_kill, same
 
 from nanotrain.checkpoint import list_checkpoints, load_latest, save_checkpoint, step_of
 from nanotrain.gpt import GPT, GPTConfig
@@ -150,17 +150,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 E2E_ARGS = [*TINY_TRAIN, "--num_iterations=4", "--save_every=2", "--eval_every=-1"]
-
-
-def same(a, b):
-    """Nested dicts/lists of tensors and plain values are equal: tensors with torch.equal, the rest with ==."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _killed_then_resumed(base, name, args, kill_at, source=None):

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import TINY_TRAIN, run_script
+from helpers import TINY_TRAIN, run_script, same
 
 pytestmark = pytest.mark.smoke
 
@@ -178,17 +178,6 @@ def resumed_ok(runs, name, start):
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     assert f"step {start + 1:05d}/{STEPS:05d} (" in r.stdout and f"step {start:05d}/{STEPS:05d} (" not in r.stdout
     return losses(run_dir(runs, name))
-
-
-def same(a, b):
-    """Nested dicts/lists of tensors and plain values are equal: tensors with torch.equal, the rest with ==."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def tensors_equal(path_a, path_b):
