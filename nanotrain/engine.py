@@ -1,21 +1,61 @@
 """
-Inference: generation with the KV cache for a batch of prompts (chat eval, the CLI), stopping at <|assistant_end|>
-or <|bos|>. After nanochat's engine.py (karpathy/nanochat), without its calculator tool. A model to generate with
-comes from nanotrain.checkpoint.load_model.
+Inference: generation with the KV cache for a batch of prompts (chat eval, the CLI, RL rollouts), stopping at
+<|assistant_end|> or <|bos|>, optionally with the calculator tool. After nanochat's engine.py (karpathy/nanochat).
+A model to generate with comes from nanotrain.checkpoint.load_model.
 
 Batching: prompts of the same length are prefilled and decoded together in one KV cache (nanotrain.gpt.KVCache keeps
 one position for all rows, so rows of different lengths would need left-padding and masks; grouping avoids both).
+
+The tool (tool=True): each row is a small state machine. When the model closes a python block
+(<|python_start|> expr <|python_end|>), nanotrain.calculator.calculate(expr) runs and, if it gives a result, the
+row's next tokens are forced to <|output_start|> result <|output_end|> instead of sampled (they still go through the
+model one at a time, filling the KV cache, and count towards max_tokens); then sampling resumes. Forced tokens carry
+mask 0 (the tokenizer's training mask for tool output: never trained, never rewarded), sampled ones mask 1. An
+expression the calculator refuses forces nothing: the model goes on by itself. With tool=False every token is
+sampled, exactly as without a tool.
 """
 
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 import torch.nn.functional as F
 
+from nanotrain.calculator import calculate
 from nanotrain.common import UserError
 from nanotrain.gpt import KVCache
 
 MAX_BATCH = 64  # at most this many prompts share one KV cache
+
+
+class ToolState:
+    """
+    One row's tool state machine (see the module docstring): feed it every token of the row in order; forced()
+    says whether the row's next token is forced and pops it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.python_start, self.python_end, self.output_start, self.output_end = (
+            tokenizer.encode_special(n) for n in ("<|python_start|>", "<|python_end|>", "<|output_start|>",
+                                                  "<|output_end|>"))
+        self.expr = None  # the tokens of an open python block, else None
+        self.queue = deque()  # forced tokens still to come
+
+    def next_forced(self):
+        """The next forced token id (removed from the queue), or None when the next token is the model's."""
+        return self.queue.popleft() if self.queue else None
+
+    def feed(self, token):
+        """Advance with the row's token (sampled or forced); a closed python block queues the calculator's output."""
+        if token == self.python_start:
+            self.expr = []
+        elif token == self.python_end and self.expr is not None:
+            result = calculate(self.tokenizer.decode(self.expr))
+            self.expr = None
+            if result is not None:
+                self.queue.extend([self.output_start] + self.tokenizer.encode(result) + [self.output_end])
+        elif self.expr is not None:
+            self.expr.append(token)
 
 
 class Engine:
@@ -38,10 +78,11 @@ class Engine:
                                 f"model's {self.model.rotary_len} positions (10 * max_seq_len); shorten the prompt")
 
     @torch.inference_mode()
-    def _columns(self, prompts, max_tokens, temperature, top_k, rng):
+    def _columns(self, prompts, max_tokens, temperature, top_k, rng, choose=None):
         """
         Yields the next token of every row (a list of B ints) for up to max_tokens steps. `prompts`: B lists of the same
-        length, prefilled together into one KVCache; then one forward of B tokens per step.
+        length, prefilled together into one KVCache; then one forward of B tokens per step. choose(column), if given,
+        returns the tokens actually taken (the tool's forced ones in place of sampled ones): those are yielded and fed.
         """
         model = self.model
         device = model.wte.weight.device
@@ -61,20 +102,44 @@ class Engine:
                     kth = torch.topk(logits, top_k).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
-            yield ids[:, 0].tolist()
+            column = ids[:, 0].tolist()
+            if choose is not None:
+                column = choose(column)
+                ids = torch.tensor(column, dtype=torch.long, device=device).view(-1, 1)
+            yield column
 
     def _rng(self, temperature, seed):
         device = self.model.wte.weight.device
         return torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
 
-    def generate(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH):
+    def _chooser(self, n_rows, tool, masks):
+        """The choose() of _columns for n_rows rows: None without the tool; with it, forced tokens replace sampled
+        ones per ToolState, and each row's mask list (masks[r]) grows by 0 for a forced token, 1 for a sampled one."""
+        if not tool:
+            return None
+        states = [ToolState(self.tokenizer) for _ in range(n_rows)]
+
+        def choose(column):
+            out = []
+            for r, tok in enumerate(column):
+                forced = states[r].next_forced()
+                tok = tok if forced is None else forced
+                masks[r].append(0 if forced is not None else 1)
+                states[r].feed(tok)
+                out.append(tok)
+            return out
+        return choose
+
+    def sample(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH, tool=False):
         """
-        Completes each prompt (list[int] token ids; a batch list[list[int]]) with up to max_tokens new tokens.
-        Returns list[list[int]]: the generated ids per prompt, in prompt order, without the prompt and without the stop
-        token (<|assistant_end|> or <|bos|>) that ended the row. temperature 0 is greedy (argmax), else sampling
-        from softmax(logits / temperature) restricted to the top_k logits (top_k None or 0: all), with one
-        torch.Generator seeded with `seed` for the call. Prompts of equal length run together (up to max_batch per KV cache); with
-        sampling, a row's tokens therefore depend on the other prompts of the call.
+        Completes each prompt (list[int] token ids; a batch list[list[int]]) with up to max_tokens new tokens, the
+        calculator tool on or off (see the module docstring). Returns a list, in prompt order, of (ids, mask): ids
+        list[int] the new tokens, ending with the stop token (<|assistant_end|> or <|bos|>) if the row stopped within
+        max_tokens; mask list[int] of the same length, 1 for a token the model sampled (the stop token included), 0
+        for one the tool forced. temperature 0 is greedy (argmax), else sampling from softmax(logits / temperature)
+        restricted to the top_k logits (top_k None or 0: all), with one torch.Generator seeded with `seed` for the
+        call. Prompts of equal length run together (up to max_batch per KV cache); with sampling, a row's tokens
+        therefore depend on the other prompts of the call (give each its own call for independent samples).
         Raises UserError for an empty prompt, a negative temperature or max_tokens, or a prompt + max_tokens beyond
         the model's rotary table (10 * max_seq_len).
         """
@@ -90,27 +155,40 @@ class Engine:
                 rows = idx[lo:lo + max_batch]
                 done = [False] * len(rows)
                 results = [[] for _ in rows]
-                for column in self._columns([prompts[i] for i in rows], max_tokens, temperature, top_k, rng):
+                masks = [[] for _ in rows]  # every token's mask, also after a row is done (cut below)
+                choose = self._chooser(len(rows), tool, masks)
+                for column in self._columns([prompts[i] for i in rows], max_tokens, temperature, top_k, rng, choose):
                     for r, tok in enumerate(column):
                         if not done[r]:
-                            if tok in self.stop_ids:
-                                done[r] = True
-                            else:
-                                results[r].append(tok)
+                            results[r].append(tok)
+                            done[r] = tok in self.stop_ids
                     if all(done):
                         break
                 for r, i in enumerate(rows):
-                    out[i] = results[r]
+                    out[i] = (results[r], masks[r][:len(results[r])] if tool else [1] * len(results[r]))
         return out
 
-    def generate_stream(self, prompt, max_tokens, temperature=0.0, top_k=None, seed=42):
+    def generate(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH, tool=False):
         """
-        Yields the new token ids (int) of one prompt (list[int]) as they are generated, up to max_tokens, stopping
-        before <|assistant_end|> or <|bos|> (not yielded). Same sampling and errors as generate(); for the same
-        arguments it yields exactly generate([prompt], ...)[0].
+        Completes each prompt like sample() and returns list[list[int]]: the generated ids per prompt, in prompt
+        order, without the prompt and without the stop token (<|assistant_end|> or <|bos|>) that ended the row.
+        Same sampling, batching, tool and errors as sample().
+        """
+        out = []
+        for ids, _ in self.sample(prompts, max_tokens, temperature, top_k, seed, max_batch, tool):
+            out.append(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
+        return out
+
+    def generate_stream(self, prompt, max_tokens, temperature=0.0, top_k=None, seed=42, tool=False):
+        """
+        Yields the new token ids (int) of one prompt (list[int]) as they are generated (the tool's forced tokens
+        included), up to max_tokens, stopping before <|assistant_end|> or <|bos|> (not yielded). Same sampling, tool
+        and errors as generate(); for the same arguments it yields exactly generate([prompt], ...)[0].
         """
         self._check([prompt], max_tokens, temperature)
-        for column in self._columns([prompt], max_tokens, temperature, top_k, self._rng(temperature, seed)):
+        choose = self._chooser(1, tool, [[]])
+        rng = self._rng(temperature, seed)
+        for column in self._columns([prompt], max_tokens, temperature, top_k, rng, choose):
             if column[0] in self.stop_ids:
                 return
             yield column[0]

@@ -2,9 +2,11 @@
 The built-in chat tasks and their grading: conversations {"messages": [...], "task": name, ...} in the format of
 nanotrain.tokenizer.render_conversation, generated offline and deterministically (no download), with disjoint
 train/val splits:
-  "arith"    add / subtract / multiply small numbers, a short worked answer and a final "Answer: N" line
-  "spell"    spell a word letter by letter, or count a letter in it (nanochat's SpellingBee idea); words from the
-             builtin corpus (Python's documentation, nanotrain.dataset), so they match what the base model read
+  "arith"    add / subtract / multiply small numbers: the answer calls the calculator tool
+             (<|python_start|>37 + 48<|python_end|>, its output forced by the engine) and ends "Answer: N"
+  "spell"    spell a word letter by letter, or count a letter in it (nanochat's SpellingBee idea; the count calls the
+             tool: 'word'.count('r')); words from the builtin corpus (Python's documentation, nanotrain.dataset), so
+             they match what the base model read
   "identity" questions about nanotrain itself (what it is, who made it, what it was trained on, ...), each fact
              asked in several paraphrases; some paraphrases are held out for val
 Each built-in conversation carries its reference: "answer" (arith, spell) or "keywords" (identity), for grade().
@@ -39,8 +41,20 @@ def _user(text):
     return {"role": "user", "content": text}
 
 
-def _assistant(text):
-    return {"role": "assistant", "content": text}
+def _assistant(content):
+    return {"role": "assistant", "content": content}
+
+
+def _text(text):
+    return {"type": "text", "text": text}
+
+
+def _python(code):
+    return {"type": "python", "text": code}
+
+
+def _output(text):
+    return {"type": "python_output", "text": text}
 
 
 # ----------------------------------------------------------------------------- arith
@@ -59,18 +73,11 @@ def _arith_keys():
 
 
 def _arith_answer(op, a, b):
-    """The worked answer: tens then ones of the second number (add/sub), of the first number (mul)."""
+    """The answer: the expression handed to the calculator tool, its result, and a final "Answer: N" line, as a list
+    of assistant parts (the engine runs the tool at test time; the tool's output is never trained)."""
     c = {"+": a + b, "-": a - b, "*": a * b}[op]
-    if op in "+-" and b >= 10 and b % 10:
-        bt, bo = b - b % 10, b % 10
-        mid = a + bt if op == "+" else a - bt
-        work = f"{a} {op} {b} = {a} {op} {bt} {op} {bo} = {mid} {op} {bo} = {c}."
-    elif op == "*" and a >= 10 and a % 10:
-        at, ao = a - a % 10, a % 10
-        work = f"{a} * {b} = {at} * {b} + {ao} * {b} = {at * b} + {ao * b} = {c}."
-    else:
-        work = f"{a} {op} {b} = {c}."
-    return work + f"\nAnswer: {c}", c
+    parts = [_text(f"{a} {op} {b} = "), _python(f"{a} {op} {b}"), _output(str(c)), _text(f".\nAnswer: {c}")]
+    return parts, c
 
 
 def _arith(split, n, rng):
@@ -123,15 +130,10 @@ def _spell(split, n, rng):
         else:
             c = rng.choice(w) if rng.random() < 0.7 else rng.choice("abcdefghijklmnopqrstuvwxyz")
             question = rng.choice(COUNT_QUESTIONS).format(w=w, c=c)
-            positions = [str(i + 1) for i, ch in enumerate(w) if ch == c]
-            if not positions:
-                found = f"The letter {c} does not appear."
-            elif len(positions) == 1:
-                found = f"The letter {c} is at position {positions[0]}."
-            else:
-                found = f"The letter {c} is at positions {', '.join(positions)}."
-            answer_text = f"Spelling {w}: {spelled}\n{found}\nAnswer: {len(positions)}"
-            answer = str(len(positions))
+            n = w.count(c)
+            answer_text = [_text(f"Spelling {w}: {spelled}\nCounting {c}: "), _python(f"'{w}'.count('{c}')"),
+                           _output(str(n)), _text(f"\nAnswer: {n}")]
+            answer = str(n)
         out.append({"messages": [_user(question), _assistant(answer_text)], "task": "spell", "answer": answer})
     return out
 

@@ -235,3 +235,61 @@ def test_load_model_refuses_in_one_line_when_nothing_or_the_requested_step_is_un
         f.write(bytes(range(256)) * 8)
     assert "model.pt is truncated or not a torch.save file" in error(step=3)
     assert capsys.readouterr().err == "" and not (tmp_path / "marker").exists()
+
+
+@pytest.mark.unit
+def test_the_tool_forces_the_calculator_output_with_mask_0(tok):
+    """
+    A model trained in-test on two scripted replies that call the tool, with a WRONG tool output in its data:
+      row a: " it is " <python_start> "2 + 3" <python_end> <output_start> "7" <output_end> " ok" <assistant_end>
+      row b: the same with "2 ** 3" (the calculator refuses powers) and output "9".
+    With tool=False both rows are the model's own greedy text (the no-cache argmax: "7" and "9"). With tool=True, in
+    one batch: row a's "7" is replaced by the calculator's "5" right after <python_end>, those three tokens carry mask
+    0 and every other token mask 1, and what follows is the model's own greedy continuation of the forced context
+    (the KV cache was fed the forced tokens); row b is unchanged (a refused expression forces nothing).
+    Catches forcing one token late or early, forcing into the wrong row, masks of 1 on forced tokens, a cache that
+    still holds the sampled token, and a tool that changes generation when it has nothing to say.
+    """
+    s = {n: tok.encode_special(n) for n in tok.get_special_tokens()}
+    head = [s["<|bos|>"], s["<|user_start|>"]]
+    prompt_a = head + tok.encode("hello") + [s["<|user_end|>"], s["<|assistant_start|>"]]
+    prompt_b = head + tok.encode("there") + [s["<|user_end|>"], s["<|assistant_start|>"]]
+    prompt_a = prompt_a[:2] + [5] + prompt_a[2:]  # the same length as prompt_b: one batch, one KV cache
+    assert len(prompt_a) == len(prompt_b)
+
+    def reply(expr, out):
+        return (tok.encode(" it is ") + [s["<|python_start|>"]] + tok.encode(expr) + [s["<|python_end|>"],
+                s["<|output_start|>"]] + tok.encode(out) + [s["<|output_end|>"]] + tok.encode(" ok"))
+    rows = [prompt_a + reply("2 + 3", "7") + [s["<|assistant_end|>"]],
+            prompt_b + reply("2 ** 3", "9") + [s["<|assistant_end|>"]]]
+    n = max(map(len, rows))
+    data = torch.tensor([r + [0] * (n - len(r)) for r in rows])
+    targets = torch.tensor([r[1:] + [-1] * (n - len(r) + 1) for r in rows])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(max_seq_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2,
+                          model_dim=64))
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(100):
+        loss = model(data, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    engine = Engine(model, tok)
+    stop = {s["<|assistant_end|>"], s["<|bos|>"]}
+    # tool off: the model's own greedy text, the wrong outputs it was trained on
+    off = engine.generate([prompt_a, prompt_b], max_tokens=30)
+    assert off == [argmax_no_cache(model, p, 30, stop) for p in (prompt_a, prompt_b)]
+    assert off == [reply("2 + 3", "7"), reply("2 ** 3", "9")]
+    # tool on: row a forced to the calculator's "5", mask 0 on the three forced tokens; row b untouched
+    (ids_a, mask_a), (ids_b, mask_b) = engine.sample([prompt_a, prompt_b], max_tokens=30, tool=True)
+    k = len(tok.encode(" it is ")) + len(tok.encode("2 + 3")) + 2  # up to and including <python_end>
+    forced = [s["<|output_start|>"]] + tok.encode("5") + [s["<|output_end|>"]]
+    assert ids_a[:k] == off[0][:k] and ids_a[k:k + len(forced)] == forced
+    assert mask_a == [1] * k + [0] * len(forced) + [1] * (len(ids_a) - k - len(forced))
+    assert ids_a[k + len(forced):] == argmax_no_cache(model, prompt_a + ids_a[:k + len(forced)], 30 - k - len(forced),
+                                                      set())[:len(ids_a) - k - len(forced)]
+    assert ids_b == off[1] + [s["<|assistant_end|>"]] and mask_b == [1] * len(ids_b)
+    assert list(engine.generate_stream(prompt_a, 30, tool=True)) == engine.generate([prompt_a], 30, tool=True)[0]
+    assert engine.generate([prompt_a], 30, tool=True)[0] == [t for t in ids_a if t not in stop]

@@ -28,7 +28,16 @@ def test_builtin_tasks_deterministic_sized_and_self_consistent(base_dir, name):
     assert len(a) == TRAIN_ROWS[name] and len(load_task(name, "val")) == VAL_ROWS[name]
     for row in a[:300] + load_task(name, "val"):
         assert validate_conversation(row) is None and row["task"] == name
-        assert grade(row, row["messages"][-1]["content"])
+        assert grade(row, reply_text(row["messages"][-1]["content"]))
+
+
+def reply_text(content):
+    """An assistant message as the engine's decoded output reads: text parts as they are, tool calls and outputs
+    between their special tokens."""
+    if isinstance(content, str):
+        return content
+    wrap = {"text": "{}", "python": "<|python_start|>{}<|python_end|>", "python_output": "<|output_start|>{}<|output_end|>"}
+    return "".join(wrap[p["type"]].format(p["text"]) for p in content)
 
 
 def problem_keys(rows):
@@ -36,9 +45,9 @@ def problem_keys(rows):
     keys = set()
     for r in rows:
         if r["task"] == "arith":
-            keys.add(r["messages"][-1]["content"].split(" =")[0])
+            keys.add(reply_text(r["messages"][-1]["content"]).split(" =")[0])
         elif r["task"] == "spell":
-            keys.add(re.search(r"^(?:Spelling )?([a-z]+)", r["messages"][-1]["content"]).group(1))
+            keys.add(re.search(r"^(?:Spelling )?([a-z]+)", reply_text(r["messages"][-1]["content"])).group(1))
         else:
             for m in r["messages"][::2]:
                 q = m["content"]
@@ -72,6 +81,8 @@ def test_grade_right_and_wrong(base_dir):
     assert not grade(arith, "85, 85, 85, 85")  # a base model's number spam is no answer
     assert not grade(arith, "37 + 48 = 85.")  # no "Answer" and the last line holds several numbers
     assert not grade(arith, "")
+    tool = "37 + 48 = <|python_start|>37 + 48<|python_end|><|output_start|>85<|output_end|>.\nAnswer: {}"
+    assert grade(arith, tool.format(85)) and not grade(arith, tool.format(86))  # the answer line, not the tool's
     big = {"task": "arith", "answer": "1000", "messages": []}
     assert grade(big, "Answer: 1,000")
     count = {"task": "spell", "answer": "2", "messages": []}
