@@ -15,7 +15,6 @@ Prints and writes one JSON object (<base_dir>/osft_forgetting_seeds<seeds>.json)
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch
 
 from nanotrain.common import get_base_dir, run_script
 from nanotrain.configurator import configure
+from nanotrain.tasks import wilson_interval
 
 base_run = "cpu"  # the base run to start from
 seeds = "1,2"  # comma-separated seeds of the SFT stages (data order and task generation)
@@ -44,21 +44,12 @@ def sh(script, *args):
     return r.stdout
 
 
-def wilson(k, n, z=1.96):
-    """95% Wilson score interval of k successes in n trials, as (low, high)."""
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return round(c - h, 4), round(c + h, 4)
-
-
 def accuracies(run):
     """{task: {"correct", "total", "accuracy", "ci95"}} of chat_eval on the SFT run `run`."""
     sh("chat_eval.py", "--source=sft", f"--run_name={run}", "--tasks=arith,spell", f"--max_problems={problems}")
     with open(os.path.join(get_base_dir(), "sft", run, "chat_eval.json")) as f:
         results = json.load(f)["results"]
-    return {t: dict(r, ci95=wilson(r["correct"], r["total"])) for t, r in results.items()}
+    return {t: dict(r, ci95=tuple(round(x, 4) for x in wilson_interval(r["correct"], r["total"]))) for t, r in results.items()}
 
 
 def corpus_bpb(stage, run):

@@ -427,7 +427,7 @@ def _what(exc, base):
 def load_model(stage, run_name="", step=-1, device="cpu"):
     """
     Loads a checkpoint of a training stage for inference, as scripts/sample.py does: the newest run of `stage`
-    ("base", "mid" or "sft") if run_name is "", and its newest checkpoint if step < 0. Returns
+    ("base", "mid", "sft" or "rl") if run_name is "", and its newest checkpoint if step < 0. Returns
     (model in eval mode (fp32 weights on `device`), tokenizer, checkpoint path, meta dict).
 
     A checkpoint that cannot be used (nanotrain.checkpoint.CheckpointError: a missing, truncated or garbage file, a
@@ -440,10 +440,10 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
     one's bad file and what is wrong), an unreadable requested step, or no tokenizer or another one than the
     model's.
     """
-    if stage not in ("base", "mid", "sft"):
-        raise UserError(f"--source={stage!r}: expected 'base', 'mid' or 'sft'")
+    if stage not in ("base", "mid", "sft", "rl"):
+        raise UserError(f"--source={stage!r}: expected 'base', 'mid', 'sft' or 'rl'")
     run_dir = find_run_dir(stage, run_name)
-    script = {"base": "base_train.py", "mid": "mid_train.py", "sft": "chat_sft.py"}[stage]
+    script = {"base": "base_train.py", "mid": "mid_train.py", "sft": "chat_sft.py", "rl": "chat_rl.py"}[stage]
     paths = list_checkpoints(run_dir) if run_dir is not None else []
     if not paths:
         where = f" for --run_name={run_name}" if run_name else ""

@@ -242,6 +242,9 @@ RULES = {
     "max_problems": ints(1, also=-1, note="-1 means all"),
     # sampling
     "max_tokens": COUNT,
+    "max_new_tokens": COUNT,
+    "num_samples": COUNT,
+    "eval_problems": COUNT,
     "temperature": reals(0, note="0 is greedy"),
     "top_k": ints(1, also=0, note="0 samples among all tokens"),
     # tokenizer training, benchmarks

@@ -1,5 +1,5 @@
 """
-The report card of a run: <base_dir>/report/<run_name>/report.md with one section per stage (base, mid, sft, eval),
+The report card of a run: <base_dir>/report/<run_name>/report.md with one section per stage (base, mid, sft, rl, eval),
 each with the system, the config, the wall time, the auto-batch-size record, tokens/s and MFU, the losses, the chat
 eval table and PNG plots (matplotlib, Agg) of the losses and of tokens/s over steps. After nanochat v0's report card
 (karpathy/nanochat `nanochat/report.py`); our format and code.
@@ -32,8 +32,8 @@ from nanotrain.common import (
     os_errors_name,
 )
 
-STAGES = ("base", "mid", "sft", "eval")
-TITLES = {"base": "Base training", "mid": "Midtraining", "sft": "Chat SFT", "eval": "Chat eval"}
+STAGES = ("base", "mid", "sft", "rl", "eval")
+TITLES = {"base": "Base training", "mid": "Midtraining", "sft": "Chat SFT", "rl": "RL", "eval": "Chat eval"}
 SUBSECTIONS = ("System", "Config", "Auto batch size", "Speed", "Loss", "Chat eval", "Plots")
 
 
@@ -62,8 +62,8 @@ def _read_json(path):
 def read_metrics(run_dir):
     """
     The rows of <run_dir>/metrics.jsonl split into (train rows, val rows): train rows have "loss" and "dt" (seconds),
-    val rows "val_bpb" or "val_loss". Missing file -> ([], []). A torn last line (a run killed mid-write) is skipped;
-    a corrupt line elsewhere raises UserError naming file:line.
+    val rows "val_bpb", "val_loss" or (RL) "eval_pass1". Missing file -> ([], []). A torn last line (a run killed
+    mid-write) is skipped; a corrupt line elsewhere raises UserError naming file:line.
     """
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
@@ -82,7 +82,7 @@ def read_metrics(run_dir):
             raise UserError(f"{path}:{i + 1}: not a JSON object") from None
         if "loss" in row and "dt" in row:
             train.append(row)
-        if "val_bpb" in row or "val_loss" in row:
+        if "val_bpb" in row or "val_loss" in row or "eval_pass1" in row:
             val.append(row)
     return train, val
 
@@ -120,7 +120,7 @@ def summarize(run_dir, stage, extra=None):
                 "val_key": None, "val_first": None, "val_last": None, "extra": dict(extra or {})}
     train, val = read_metrics(run_dir)
     steady = train[1:] if len(train) > 1 else train
-    val_key = "val_bpb" if any("val_bpb" in r for r in val) else "val_loss" if val else None
+    val_key = next((k for k in ("val_bpb", "val_loss", "eval_pass1") if any(k in r for r in val)), None)
     vals = [r for r in val if val_key in r]
     med = (lambda key: statistics.median(r[key] for r in steady if key in r) if any(key in r for r in steady)
            else None)
@@ -166,7 +166,8 @@ def use_plot_cache_dir():
 
 def write_plots(run_dir, out_dir, stage):
     """
-    Writes <out_dir>/<stage>_loss.png (train loss and the validation metric against the step) and
+    Writes <out_dir>/<stage>_loss.png (train loss and the validation metric against the step: RL's is the held-out
+    pass@1), <out_dir>/<stage>_reward.png (RL: mean reward and mean sample length against the step) and
     <out_dir>/<stage>_tokens_per_sec.png (tokens/s against the step) from <run_dir>/metrics.jsonl, each only when
     there is something to plot. Returns the list of file names written. matplotlib's caches go under the base
     directory (use_plot_cache_dir).
@@ -183,7 +184,7 @@ def write_plots(run_dir, out_dir, stage):
         if train:
             axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
         axes[0].set(xlabel="step", ylabel="train loss (nats/token)", title=f"{stage}: train loss")
-        key = "val_bpb" if any("val_bpb" in r for r in val) else "val_loss"
+        key = next((k for k in ("val_bpb", "val_loss", "eval_pass1") if any(k in r for r in val)), "val_loss")
         rows = [r for r in val if key in r]
         if rows:
             axes[1].plot([r["step"] for r in rows], [r[key] for r in rows], "o-", color="tab:orange")
@@ -192,6 +193,17 @@ def write_plots(run_dir, out_dir, stage):
         _save_png(fig, os.path.join(out_dir, f"{stage}_loss.png"))
         plt.close(fig)
         written.append(f"{stage}_loss.png")
+    rows = [r for r in train if "reward" in r]
+    if rows:  # RL: the mean reward and the mean sample length per step
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        axes[0].plot([r["step"] for r in rows], [r["reward"] for r in rows], lw=1)
+        axes[0].set(xlabel="step", ylabel="mean reward", title=f"{stage}: reward of the samples")
+        axes[1].plot([r["step"] for r in rows], [r["mean_length"] for r in rows], lw=1, color="tab:green")
+        axes[1].set(xlabel="step", ylabel="tokens", title=f"{stage}: mean sample length")
+        fig.tight_layout()
+        _save_png(fig, os.path.join(out_dir, f"{stage}_reward.png"))
+        plt.close(fig)
+        written.append(f"{stage}_reward.png")
     rows = [r for r in train if "tok_per_sec" in r]
     if rows:
         fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -399,10 +411,10 @@ def write_section_or_warn(run_name, stage, run_dir, extra=None):
 
 def find_stage_dirs(run_name):
     """{stage: run_dir} of the stages of `run_name` present under the base dir; "eval" is the last stage's run
-    directory (in the order base, mid, sft) that holds a chat_eval.json."""
+    directory (in the order base, mid, sft, rl) that holds a chat_eval.json."""
     base = get_base_dir()
     found = {}
-    for stage in ("base", "mid", "sft"):
+    for stage in ("base", "mid", "sft", "rl"):
         d = os.path.join(base, stage, run_name)
         if os.path.isfile(os.path.join(d, "config.json")) or os.path.isfile(os.path.join(d, "metrics.jsonl")):
             found[stage] = d
@@ -421,7 +433,7 @@ def main(argv=None):
             raise UserError("usage: python -m nanotrain.report <run_name>")
         found = find_stage_dirs(argv[0])
         if not found:
-            raise UserError(f"no run named {argv[0]!r} under {get_base_dir()}/{{base,mid,sft}}/")
+            raise UserError(f"no run named {argv[0]!r} under {get_base_dir()}/{{base,mid,sft,rl}}/")
         path = None
         for stage, run_dir in found.items():
             path = write_section(argv[0], stage, run_dir)

@@ -39,7 +39,7 @@ _held_locks = {}  # real path of a run directory -> the open lock file this proc
 
 def get_run_dir(stage, run):
     """
-    <base_dir>/<stage>/<run>, created if missing. stage is "base", "mid" or "sft". Raises NotADirectoryError
+    <base_dir>/<stage>/<run>, created if missing. stage is "base", "mid", "sft" or "rl". Raises NotADirectoryError
     (ENOTDIR, naming the path; nanotrain.common.run_script prints it as one line) when its checkpoints/ exists but is
     not a directory: found before the training, not at its first save.
     """

@@ -16,6 +16,7 @@ task mixtures are in nanotrain.conversations.
 Sizes: TRAIN_ROWS / VAL_ROWS below.
 """
 
+import math
 import random
 import re
 import zlib
@@ -308,3 +309,18 @@ def grade(conversation, answer_text):
         lines = [x for x in t.strip().splitlines() if x.strip()]
         return _normalize(lines[-1]) if lines else ""
     return last_line(answer_text) == last_line(reference) != ""
+
+
+def wilson_interval(correct, total, z=1.96):
+    """
+    The 95% Wilson score interval (Wilson 1927; z = 1.96) of an accuracy of `correct` successes in `total` trials,
+    as (low, high) fractions in [0, 1]; (0.0, 1.0) for total 0. Unlike the normal approximation it stays inside
+    [0, 1] and is not zero-width at 0 or total successes.
+    """
+    if total == 0:
+        return 0.0, 1.0
+    p = correct / total
+    d = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / d
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / d
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -180,6 +180,8 @@ def forward_backward(model, batches, autocast_ctx, *, loss_scale=None, catch_oom
       sft_data.token_loss_scale (world size / global trained targets): the gradient is then that of the token-mean
       loss over the whole step, whatever its split into micro-batches and ranks; returns the sum of the scaled losses
       (detached 0-dim fp32 tensor; its mean over ranks is the step's token-mean loss).
+      A micro-batch with "weights" (fp32 (B, T), RL's advantage per token, 0 where not trained) sums the per-token
+      losses times their weights instead (loss_reduction="none"), then times loss_scale; loss_scale is required.
     The gradient-sync rule, the only one in nanotrain: under DDP (model is DistributedDataParallel) the gradients
     are all-reduced in the last micro-step's backward only (no_sync() on the others, as in nanoGPT); under FSDP2
     (nanotrain.fsdp) likewise only the last micro-step reduce-scatters (set_requires_gradient_sync), the others
@@ -209,11 +211,14 @@ def forward_backward(model, batches, autocast_ctx, *, loss_scale=None, catch_oom
             model.set_requires_gradient_sync(sync)
         try:
             with model.no_sync() if ddp and not sync else nullcontext():
-                kwargs = {} if loss_scale is None else {"loss_reduction": "sum"}
+                weights = b.get("weights")
+                kwargs = {} if loss_scale is None else {"loss_reduction": "sum" if weights is None else "none"}
                 if b.get("doc_ids") is not None:
                     kwargs["doc_ids"] = b["doc_ids"]
                 with autocast_ctx:
                     loss = model(b["x"], b["y"], **kwargs)
+                if weights is not None:  # per-token losses (B*T,) times their weights, summed
+                    loss = (loss * weights.reshape(-1)).sum()
                 if loss_scale is None:
                     total += loss.detach()
                     (loss / n).backward()

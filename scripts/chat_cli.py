@@ -26,7 +26,7 @@ for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` ->
         break
 _prompt_given = any(a.startswith("--prompt=") for a in sys.argv[1:])  # tells `-p ""` from no prompt at all
 
-source = "sft"  # which stage's checkpoint: sft | mid | base
+source = "sft"  # which stage's checkpoint: sft | rl | mid | base
 run_name = ""  # run name; "" picks the run with the newest checkpoint
 step = -1  # checkpoint step; -1 is the newest
 prompt = ""  # one-shot mode: answer this message and exit (also -p "text"); not given: interactive
@@ -34,6 +34,7 @@ temperature = 0.6  # 0 is greedy
 top_k = 50  # sample among the k most likely tokens; 0 means all
 max_tokens = 256  # most tokens per reply
 seed = 42  # sampling seed (turn t of a conversation uses seed + t)
+tool = True  # run the calculator tool when the model calls it (False: the model writes the tool's output itself)
 device_type = ""  # cuda | mps | cpu; "" autodetects
 config = configure(globals())
 
@@ -58,7 +59,7 @@ def main():
         """Streams the assistant's answer to `messages` to stdout and returns its text."""
         ids = tokenizer.render_for_completion({"messages": messages})
         out, shown = [], ""
-        for tok in engine.generate_stream(ids, max_tokens, temperature, top_k or None, seed + turn):
+        for tok in engine.generate_stream(ids, max_tokens, temperature, top_k or None, seed + turn, tool=tool):
             out.append(tok)
             text = tokenizer.decode(out)  # decode it all: a token may end inside a UTF-8 character
             if not text.endswith("\ufffd"):

@@ -25,9 +25,9 @@ from nanotrain.configurator import configure
 from nanotrain.conversations import load_jsonl
 from nanotrain.engine import Engine
 from nanotrain.report import write_section_or_warn
-from nanotrain.tasks import grade, load_task
+from nanotrain.tasks import grade, load_task, wilson_interval
 
-source = "sft"  # which stage's checkpoint: sft | mid | base
+source = "sft"  # which stage's checkpoint: sft | rl | mid | base
 run_name = ""  # run name; "" picks the run with the newest checkpoint
 step = -1  # checkpoint step; -1 is the newest
 tasks = "arith,spell,identity"  # comma-separated built-in tasks (their val split); "" for none
@@ -35,6 +35,7 @@ jsonl = ""  # optional JSONL file of conversations ending in the reference answe
 max_problems = -1  # problems per task (the first ones of its val split); -1 means all
 max_tokens = 64  # most tokens per answer
 batch_size = 64  # prompts of equal length decoded together
+tool = True  # run the calculator tool when the model calls it (False: the model writes the tool's output itself)
 device_type = ""  # cuda | mps | cpu; "" autodetects
 config = configure(globals())
 
@@ -58,19 +59,22 @@ def main():
         problems = problems if max_problems < 0 else problems[:max_problems]
         t0 = time.time()
         prompts = [tokenizer.render_for_completion(c) for c in problems]
-        outs = engine.generate(prompts, max_tokens=max_tokens, temperature=0.0, max_batch=batch_size)
+        outs = engine.generate(prompts, max_tokens=max_tokens, temperature=0.0, max_batch=batch_size,
+                               tool=tool)
         answers = [tokenizer.decode(o) for o in outs]
         correct = sum(grade(c, a) for c, a in zip(problems, answers))
         results[name] = {"correct": correct, "total": len(problems),
-                         "accuracy": correct / len(problems) if problems else 0.0}
+                         "accuracy": correct / len(problems) if problems else 0.0,
+                         "ci95": list(wilson_interval(correct, len(problems)))}
         if problems:
             print(f"{name} example: {problems[0]['messages'][-2]['content']!r} -> {answers[0][:200]!r} "
                   f"({'right' if grade(problems[0], answers[0]) else 'wrong'}; {time.time() - t0:.1f}s)")
 
-    print(f"\nchat eval of {source} checkpoint {path} (greedy, max_tokens {max_tokens})")
-    print(f"{'task':<24} {'correct':>8} {'total':>6} {'accuracy':>9}")
+    print(f"\nchat eval of {source} checkpoint {path} (greedy, max_tokens {max_tokens}, tool {'on' if tool else 'off'})")
+    print(f"{'task':<24} {'correct':>8} {'total':>6} {'accuracy':>9}  95% interval")
     for name, r in results.items():
-        print(f"{name:<24} {r['correct']:>8} {r['total']:>6} {100 * r['accuracy']:>8.2f}%")
+        lo, hi = r["ci95"]
+        print(f"{name:<24} {r['correct']:>8} {r['total']:>6} {100 * r['accuracy']:>8.2f}%  [{100 * lo:.1f}, {100 * hi:.1f}]")
     run_dir = os.path.dirname(os.path.dirname(path))  # <run_dir>/checkpoints/step_XXXXXX
     out = os.path.join(run_dir, "chat_eval.json")
     atomic_write_json(out, {"checkpoint": path, "step": meta.get("step"), "source": source, "config": config,

@@ -330,7 +330,7 @@ def main():
             for c in val_convs[:3]:
                 prompt = tokenizer.render_for_completion(c)
                 with autocast_ctx:
-                    out = engine.generate([prompt], max_tokens=48, temperature=0.0)[0]
+                    out = engine.generate([prompt], max_tokens=48, temperature=0.0, tool=True)[0]
                 print0(f"sample: {c['messages'][-2]['content']!r} -> {tokenizer.decode(out)!r}")
         if last_step:
             break

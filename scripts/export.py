@@ -21,7 +21,7 @@ from nanotrain.common import UserError, run_script
 from nanotrain.configurator import configure
 from nanotrain.export import export_safetensors, load_safetensors
 
-source = "sft"  # which training stage's checkpoints: base | mid | sft
+source = "sft"  # which training stage's checkpoints: base | mid | sft | rl
 run_name = ""  # run name; "" picks the run with the newest checkpoint
 step = -1  # checkpoint step; -1 is the newest
 dtype = ""  # dtype of the stored weights: "" keeps the checkpoint's fp32 | float32 | bfloat16 (half the size)

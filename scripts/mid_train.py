@@ -284,7 +284,7 @@ def main():
             for q in SAMPLE_QUESTIONS:
                 prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": q}]})
                 with autocast_ctx:
-                    out = engine.generate([prompt], max_tokens=32, temperature=0.0)[0]
+                    out = engine.generate([prompt], max_tokens=32, temperature=0.0, tool=True)[0]
                 print0(f"sample: {q!r} -> {tokenizer.decode(out)!r}")
         if last_step:
             break

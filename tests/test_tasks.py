@@ -100,3 +100,13 @@ def test_grade_right_and_wrong(base_dir):
     generic["task"] = "jsonl"
     assert grade(generic, "It is Paris, of course.\nanswer: paris.")
     assert not grade(generic, "Answer: Lyon")
+
+
+@pytest.mark.unit
+def test_wilson_interval_literal_values():
+    """Published values of the 95% Wilson interval (Newcombe 1998, table I: 0/10 -> [0, 0.2775], 5/10 ->
+    [0.2366, 0.7634], 81/263 -> [0.2553, 0.3662]). Catches the normal approximation (zero width at 0/10)."""
+    from nanotrain.tasks import wilson_interval
+    for (k, n), want in {(0, 10): (0.0, 0.2775), (5, 10): (0.2366, 0.7634), (81, 263): (0.2553, 0.3662)}.items():
+        assert wilson_interval(k, n) == pytest.approx(want, abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
