@@ -19,6 +19,8 @@ import urllib.request
 
 from nanotrain.common import UserError, get_base_dir, print0
 from nanotrain.dataset import _check_reachable  # the same fail-fast TCP check as the fineweb-edu download
+from nanotrain.gsm8k import HUB_NAME as GSM8K_HUB
+from nanotrain.gsm8k import load_gsm8k
 from nanotrain.tasks import BUILTIN_TASKS, load_task
 from nanotrain.tokenizer import chat_messages
 
@@ -175,18 +177,24 @@ def load_hf(name_or_path, split, skip_bad_rows=None):
 def parse_task_spec(spec):
     """
     Parses a task mixture spec into [(kind, arg, weight)]: comma-separated parts "arith", "spell", "identity",
-    "jsonl:PATH" or "hf:NAME_OR_PATH", each optionally followed by ":WEIGHT" (a number > 0, default 1), e.g.
+    "gsm8k" (GSM8K from the hub, nanotrain.gsm8k), "jsonl:PATH", "hf:NAME_OR_PATH" or "gsm8k:PATH" (a local copy of
+    GSM8K), each optionally followed by ":WEIGHT" (a number > 0, default 1), e.g.
     "arith:1,spell:1,identity:2,jsonl:/data/chat.jsonl:1,hf:HuggingFaceTB/smol-smoltalk:0.5". kind is the task name,
-    "jsonl" or "hf"; arg is the path/name (None for built-ins). Paths may not contain ','.
+    "gsm8k", "jsonl" or "hf"; arg is the path/name (None for built-ins and the hub's GSM8K). Paths may not contain
+    ','.
     Raises UserError naming the bad part.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"task mixture {spec!r}: expected comma-separated parts like 'arith:1,spell:1,identity:2'")
     out = []
     for part in (p.strip() for p in spec.split(",")):
-        expected = (f"expected NAME[:WEIGHT] with NAME one of {', '.join(BUILTIN_TASKS)}, "
-                    f"or jsonl:PATH[:WEIGHT] or hf:NAME_OR_PATH[:WEIGHT], and WEIGHT a number > 0")
-        if part.startswith(("jsonl:", "hf:")):
+        expected = (f"expected NAME[:WEIGHT] with NAME one of {', '.join(BUILTIN_TASKS)}, gsm8k, "
+                    f"or jsonl:PATH[:WEIGHT], hf:NAME_OR_PATH[:WEIGHT] or gsm8k:PATH[:WEIGHT], and WEIGHT a number > 0")
+        if part.startswith("gsm8k:") and not re.fullmatch(r"gsm8k:[0-9.eE+-]+", part):  # gsm8k:PATH[:WEIGHT]
+            rest = part.split(":", 1)[1]
+            head, sep, tail = rest.rpartition(":")
+            kind, (arg, raw) = "gsm8k", (head, tail) if sep and re.fullmatch(r"[0-9.eE+-]+", tail) else (rest, "1")
+        elif part.startswith(("jsonl:", "hf:")):
             kind, rest = part.split(":", 1)
             head, sep, tail = rest.rpartition(":")
             arg, raw = (head, tail) if sep and re.fullmatch(r"[0-9.eE+-]+", tail) else (rest, "1")
@@ -195,7 +203,7 @@ def parse_task_spec(spec):
         else:
             kind, _, raw = part.partition(":")
             raw, arg = raw or "1", None
-            if kind not in BUILTIN_TASKS:
+            if kind not in BUILTIN_TASKS + ("gsm8k",):
                 raise UserError(f"task mixture part {part!r}: unknown task {kind!r}; {expected}")
         try:
             weight = float(raw)
@@ -227,6 +235,8 @@ def load_task_mixture(spec, split, seed=0, skip_bad_rows=None):
             rows = _split_rows(rows, split)
         elif kind == "hf":
             rows, skipped = load_hf(arg, split, skip_bad_rows)
+        elif kind == "gsm8k":
+            rows, skipped = load_gsm8k(split, arg or GSM8K_HUB), 0
         else:
             rows, skipped = load_task(kind, split, seed), 0
         if skipped:

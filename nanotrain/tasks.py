@@ -25,6 +25,7 @@ from functools import lru_cache
 
 from nanotrain.common import UserError
 from nanotrain.dataset import iter_documents, resolve_data_files
+from nanotrain.gsm8k import grade_gsm8k
 
 BUILTIN_TASKS = ("arith", "spell", "identity")
 TRAIN_ROWS = {"arith": 3000, "spell": 3000, "identity": 1000}  # training conversations per built-in task
@@ -290,10 +291,13 @@ def grade(conversation, answer_text):
     - spell: counting -> the same with the count; spelling -> the final segment holds exactly one run of single
       letters separated by '-' or ',' (e.g. "s-t-r-i-n-g", "S, T, R, I, N, G") and it spells the word exactly;
     - identity: the text contains every one of conversation["keywords"] (case-insensitive);
+    - gsm8k: the last "#### N" of the text is conversation["answer"] (nanotrain.gsm8k.grade_gsm8k);
     - any other conversation (JSONL/HF): the last non-empty line, without an "Answer:" prefix, case, extra spaces and
       a trailing '.'/'!', equals the reference (the conversation's last assistant message) treated the same way.
     """
     task = conversation.get("task")
+    if task == "gsm8k":
+        return grade_gsm8k(answer_text, conversation["answer"])
     if task == "arith" or (task == "spell" and conversation["answer"].isdigit()):
         return _final_int(answer_text) == int(conversation["answer"])
     if task == "spell":

@@ -1,0 +1,91 @@
+"""
+GSM8K (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems"; the Hugging Face data set openai/gsm8k,
+config "main": train 7,473 rows, test 1,319) as conversations in our chat format, with the calculator tool: every
+<<expr=result>> annotation of a reference answer becomes a tool call (python part "expr", then its output "result"),
+as nanochat's tasks/gsm8k.py renders them, so a model fine-tuned on it learns to call the tool. The final line of
+every answer is "#### N"; grade_gsm8k compares that number.
+
+Online only (the hub), or from a local copy of the hub's files. Training splits cannot be had offline here.
+"""
+
+import os
+import re
+
+from nanotrain.common import UserError, get_base_dir
+
+HUB_NAME = "openai/gsm8k"
+ANNOTATION = re.compile(r"<<([^<>]*)>>")
+FINAL = re.compile(r"####\s*(-?[0-9][0-9.,]*)")
+
+
+def gsm8k_conversation(question, answer):
+    """
+    One GSM8K row as a conversation: the question as the user message, the reference answer as assistant parts
+    (text; for each <<expr=result>>: a python part expr and a python_output part result; the text that follows
+    keeps GSM8K's own copy of the result). Returns {"messages", "task": "gsm8k", "answer": the "#### N" number as a
+    str, commas removed}. Raises ValueError for an answer without a final "#### N" line or an annotation without
+    "=".
+    """
+    final = FINAL.findall(answer)
+    if not final:
+        raise ValueError("the answer has no final '#### N' line")
+    parts, pos = [], 0
+    for m in ANNOTATION.finditer(answer):
+        if m.start() > pos:
+            parts.append({"type": "text", "text": answer[pos:m.start()]})
+        expr, sep, result = m.group(1).rpartition("=")
+        if not sep or not expr.strip():
+            raise ValueError(f"annotation {m.group(0)!r} is not <<expr=result>>")
+        parts.append({"type": "python", "text": expr})
+        parts.append({"type": "python_output", "text": result})
+        pos = m.end()
+    if pos < len(answer):
+        parts.append({"type": "text", "text": answer[pos:]})
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": parts}],
+            "task": "gsm8k", "answer": final[-1].replace(",", "").rstrip(".")}
+
+
+def grade_gsm8k(text, answer):
+    """True if the last "#### N" of the generated `text` (str) is the reference number `answer` (str) once commas
+    and a trailing '.' are removed (GSM8K's exact-match grading, as nanochat and lm-evaluation-harness extract it)."""
+    found = FINAL.findall(text)
+    return bool(found) and found[-1].replace(",", "").rstrip(".") == answer
+
+
+def load_gsm8k(split, source=HUB_NAME):
+    """
+    The GSM8K conversations of `split` ("train": the train split; "val": the test split, as nanochat evaluates),
+    in the data set's row order. source: the hub name (downloaded into <base_dir>/hf_datasets; HF_HUB_OFFLINE=1
+    uses that cache only) or a local directory holding the hub's files (main/train-*.parquet, main/test-*.parquet).
+    Raises UserError (one line: what is needed) when the hub cannot be reached or the data cannot be loaded, and
+    for a row that cannot be rendered (naming the split and row).
+    """
+    import datasets  # here, not at the top: it loads many modules, needed only by gsm8k
+
+    from nanotrain.conversations import _hub_unreachable
+    if split not in ("train", "val"):
+        raise UserError(f"split={split!r}: expected 'train' or 'val'")
+    hf_split = "train" if split == "train" else "test"
+    need = (f"GSM8K needs the Hugging Face data set {HUB_NAME} (online, or cached with HF_HUB_OFFLINE=1) or a local "
+            f"copy of its files: --tasks=gsm8k:/path/to/gsm8k (holding main/{hf_split}-*.parquet)")
+    if os.path.isdir(source):
+        files = os.path.join(source, "main", f"{hf_split}-*.parquet")
+        args = dict(path="parquet", data_files={hf_split: files})
+    elif source == HUB_NAME:
+        if _hub_unreachable(HUB_NAME) is not None:  # fails within seconds when offline
+            raise UserError(f"cannot reach the Hugging Face hub (offline?): {need}")
+        args = dict(path=HUB_NAME, name="main")
+    else:
+        raise UserError(f"gsm8k:{source}: no such directory; {need}")
+    try:
+        ds = datasets.load_dataset(**args, split=hf_split, cache_dir=os.path.join(get_base_dir(), "hf_datasets"))
+    except Exception as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"could not load GSM8K {hf_split} ({type(e).__name__}: {reason}); {need}") from None
+    out = []
+    for i, row in enumerate(ds):
+        try:
+            out.append(gsm8k_conversation(row["question"], row["answer"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"GSM8K {hf_split} row {i}: cannot be rendered ({type(e).__name__}: {e})") from None
+    return out
