@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CPU recipe: build the builtin corpus (offline), train a tokenizer, pretrain a small GPT, evaluate it (val bpb),
-# sample from it, then mid-train and SFT it into a tiny chat model, evaluate that on the built-in tasks and ask it a
-# question, and write the report card. About 10 minutes on 2 cores (torch 2.13 CPU, bf16 matmuls). Outputs go to
-# $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
+# sample from it, then mid-train and SFT it into a tiny chat model that calls a calculator tool, improve its arithmetic
+# with a short RL stage, evaluate the models on the built-in tasks and ask one a question, and write the report card.
+# About 13 minutes on 2 cores (torch 2.13 CPU). Outputs go to $NANOTRAIN_BASE_DIR (default ~/.cache/nanotrain).
 #   bash runs/cpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,12 +29,17 @@ python scripts/mid_train.py --run_name=$RUN --base_run_name=$RUN --eval_every=50
 # 6. SFT: assistant tokens only, packed conversations, 32 per step, one epoch
 python scripts/chat_sft.py --run_name=$RUN --source_run_name=$RUN --eval_every=50 --max_tokens_per_device=512
 
-# 7. chat eval on the validation split of the built-in tasks: the base model (the baseline) and the SFT model
+# 7. chat eval on the validation split of the built-in tasks (the calculator tool on): the base model (the baseline)
+# and the SFT model
 python scripts/chat_eval.py --source=base --run_name=$RUN --max_problems=100
 python scripts/chat_eval.py --source=sft --run_name=$RUN --max_problems=100
 
-# 8. a one-shot chat answer
-python scripts/chat_cli.py --source=sft --run_name=$RUN --temperature=0 -p "What is your name?"
-# 9. the report card (config, times, tokens/s and MFU, losses, chat eval, plots)
+# 8. RL on arith: 30 steps of 8 prompts x 8 samples, rewarded by the grader, the tool live; then its chat eval
+python scripts/chat_rl.py --run_name=$RUN --source_run_name=$RUN --num_iterations=30 --eval_every=-1 --save_every=-1
+python scripts/chat_eval.py --source=rl --run_name=$RUN --max_problems=100
+
+# 9. a one-shot chat answer
+python scripts/chat_cli.py --source=rl --run_name=$RUN --temperature=0 -p "What is your name?"
+# 10. the report card (config, times, tokens/s and MFU, losses, chat eval, plots)
 python -m nanotrain.report $RUN
 echo "CPU recipe done in $((SECONDS / 60)) min $((SECONDS % 60)) s; outputs in $NANOTRAIN_BASE_DIR/base/$RUN"

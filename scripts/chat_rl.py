@@ -147,12 +147,13 @@ def main():
     sampler = ConversationSampler(len(train), seed=seed)
     if ckpt is not None:
         sampler.load_state_dict(ckpt["rank_state"]["sampler"])
-        set_rng_state(ckpt["rank_state"]["rng"], device)
     epoch_steps = max(1, len(train) // examples_per_step)
     total_steps = num_iterations if num_iterations is not None else epoch_steps
 
     # model and optimizers: the source weights (or this run's checkpoint) in fp32, the lrs scaled by init_lr_frac
     seed_everything(seed)
+    if ckpt is not None:  # the rollouts have their own seeds; the global RNG is restored for anything else
+        set_rng_state(ckpt["rank_state"]["rng"], device)
     model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
     del src, start
@@ -232,14 +233,14 @@ def main():
 
         # the loss: -sum(advantage x log-prob) over all sampled tokens of the step / their global count
         batches = rl_micro_batches(rows, device_batch_size, pad_id, device)
-        stats = torch.tensor([sum(r["targets"] for r in rows), len(batches), sum(rewards), len(rewards), sum(lengths),
+        stats = torch.tensor([sum(r["targets"] for r in rows), sum(rewards), len(rewards), sum(lengths),
                               sum(pass_at_k(num_samples, c, num_samples) for c in n_correct_groups),
                               len(n_correct_groups), step_tokens], dtype=torch.float64, device=device)
         n_batches = torch.tensor(len(batches), device=device)
         if is_ddp:
             dist.all_reduce(stats)
             dist.all_reduce(n_batches, op=dist.ReduceOp.MAX)
-        count, _, reward_sum, n_samples, length_sum, pass_k_sum, n_groups, step_tokens = stats.tolist()
+        count, reward_sum, n_samples, length_sum, pass_k_sum, n_groups, step_tokens = stats.tolist()
         n_batches = int(n_batches.item())
         batches += [empty_micro_batch(pad_id, device) for _ in range(n_batches - len(batches))]  # same count per rank
         lrm = lr_multiplier(step, total_steps, 0.0, 1.0, 0.0)

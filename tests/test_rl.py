@@ -289,6 +289,7 @@ def test_chat_rl_resumes_exactly_after_sigterm(sft_base):
     assert any(not torch.equal(a[k], src[k]) for k in a)
 
 
+@pytest.mark.slow  # the default run keeps test_configurator's --help tests (the same code path for every script)
 @pytest.mark.smoke
 def test_chat_rl_help_lists_its_settings():
     """--help exits 0 and lists the RL settings with their comments."""
