@@ -327,7 +327,8 @@ def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(b
     base_train --core_every=3 on a bundle whose CORE takes seconds: SIGTERM once step 3's checkpoint is saved (CORE is
     then running) stops the run with exit 0, step 3's checkpoint on disk and no CORE row for step 3; --resume=True
     runs step 3's CORE again and finishes with CORE rows at steps 3 and 6 and core.json of step 6, plus the gold bpb
-    (not CORE) at steps 0, 3 and 6. Catches CORE before the save (a crash in it loses the step), a stop request ignored
+    (not CORE) at steps 0, 3 and 6; then base_eval.py on that run writes core.json/core.csv and the report card's CORE
+    table, and --mode=gold_bpb gives the in-loop value of step 6 again (env passed on: the rows are cached). Catches CORE before the save (a crash in it loses the step), a stop request ignored
     during CORE, and a resumed run that skips the CORE of its first step.
     """
     import signal
@@ -360,4 +361,16 @@ def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(b
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "core" in r] == [3, 6]
     assert [r["step"] for r in rows if "gold_bpb" in r] == [0, 3, 6]
+    rows = [r for r in rows if "gold_bpb" in r]
     assert json.loads((run_dir / "core.json").read_text())["step"] == 6
+    # base_eval.py on the saved run: CORE of step 3 from the fixture bundle, the report card's table, the gold bpb
+    r = run_script("base_eval.py", "--run_name=core", "--step=3", f"--eval_bundle={BUNDLE}", base_dir=base_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    core = json.loads((run_dir / "core.json").read_text())
+    assert core["step"] == 3 and list(core["tasks"]) == ["mc_test", "schema_test", "lm_test"]
+    assert (run_dir / "core.csv").read_text().splitlines()[-1].startswith("CORE,,,,,")
+    assert f"CORE **{core['core']:.4f}** at step 3" in (base_dir / "report" / "core" / "report.md").read_text()
+    r = run_script("base_eval.py", "--run_name=core", "--mode=gold_bpb", base_dir=base_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    gold = json.loads((run_dir / "gold_bpb.json").read_text())
+    assert gold["step"] == 6 and gold["gold_bpb"] == pytest.approx(rows[-1]["gold_bpb"], rel=1e-4)
