@@ -143,8 +143,9 @@ def ensure_bundle(eval_bundle=""):
     (read_bundle). Otherwise <base_dir>/eval_bundle, downloaded once per machine from $NANOTRAIN_EVAL_BUNDLE_URL or
     EVAL_BUNDLE_URL: under an exclusive lock (other ranks and runs wait), to a temporary zip, checked (check_zip),
     extracted into eval_bundle.tmp and committed with one rename (nanotrain.durable); the zip is then deleted.
-    Raises UserError, one line, when the download fails (naming the URL, the size and --eval_bundle) or the zip is
-    bad; nothing is extracted then.
+    A <base_dir>/eval_bundle without the marker of an extraction (a copy placed there by hand) is used as it is, once
+    checked. Raises UserError, one line, when the download fails (naming the URL, the size and --eval_bundle) or the
+    zip is bad; nothing is extracted then.
     """
     if eval_bundle:
         path = os.path.abspath(os.path.expanduser(eval_bundle))
@@ -156,6 +157,13 @@ def ensure_bundle(eval_bundle=""):
     final = os.path.join(base, BUNDLE_DIR)
     url = os.environ.get(URL_ENV) or EVAL_BUNDLE_URL
     if is_complete(final, MARKER):
+        return final
+    if os.path.isdir(final):  # no marker: not one this code extracted (those are renamed complete) but a copy by hand
+        try:
+            read_bundle(final)
+        except UserError as e:
+            raise UserError(f"{final} is not a usable eval bundle ({e}); move it away to download the bundle again, "
+                            f"or pass --eval_bundle=DIR") from None
         return final
     with exclusive(os.path.join(base, BUNDLE_DIR + ".lock")):
         if recover(final, MARKER) is not None:  # another process finished it while this one waited

@@ -11,7 +11,7 @@ import os
 import urllib.error
 import urllib.request
 
-from nanotrain.common import UserError
+from nanotrain.common import UserError, any_rank, get_dist_info
 
 try:
     import fcntl
@@ -78,3 +78,24 @@ def download(url, dest, what, hint, timeout=CONNECT_TIMEOUT_S):
         if os.path.exists(part):
             os.remove(part)
     return dest
+
+
+def rank0_first(fetch, device):
+    """
+    fetch() on rank 0 first, then on the other ranks (which then find the files in place), so that an offline machine
+    fails once, in one line, and not once per rank in turn behind the lock. Collective under DDP (`device` carries the
+    agreement). Returns fetch()'s value. Raises rank 0's UserError or OSError on rank 0, and UserError on the others.
+    """
+    rank = get_dist_info()[1]
+    error, value = None, None
+    if rank == 0:
+        try:
+            value = fetch()
+        except (UserError, OSError) as e:
+            error = e
+    failed = any_rank(error is not None, device)
+    if error is not None:
+        raise error
+    if failed:
+        raise UserError("rank 0 could not fetch the evaluation data (see its error)")
+    return value if rank == 0 else fetch()

@@ -23,6 +23,7 @@ from nanotrain.checkpoint import load_model
 from nanotrain.common import UserError, atomic_write_json, compute_init, print0, run_script
 from nanotrain.configurator import configure
 from nanotrain.core_eval import ensure_bundle, evaluate_core, write_results
+from nanotrain.downloads import rank0_first
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.report import write_section_or_warn
 from nanotrain.tokenizer import get_token_bytes
@@ -44,8 +45,8 @@ def main():
         raise UserError(f"--mode={mode}: expected core or gold_bpb")
     _, rank, _, _, device = compute_init(device_type)
     # the data first: offline, the error comes before any checkpoint is read
-    bundle = ensure_bundle(eval_bundle) if mode == "core" else None
-    rows = ensure_rows() if mode == "gold_bpb" else None
+    bundle = rank0_first(lambda: ensure_bundle(eval_bundle), device) if mode == "core" else None
+    rows = rank0_first(ensure_rows, device) if mode == "gold_bpb" else None
     model, tokenizer, path, meta = load_model("base", run_name, step, device)
     print0(f"checkpoint: {path}")
     _, autocast_ctx = precision(dtype, device)

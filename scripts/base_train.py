@@ -37,6 +37,7 @@ from nanotrain.configurator import configure
 from nanotrain.core_eval import ensure_bundle, evaluate_core, write_results
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
+from nanotrain.downloads import rank0_first
 from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.gpt import adamw_lr_scale, build_model, config_from_depth
@@ -154,8 +155,8 @@ def main():
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
     # the downstream evaluations' data before anything is written: offline, one line and no run directory
-    bundle = ensure_bundle(eval_bundle) if core_every > 0 else None
-    gold_rows = ensure_rows() if gold_bpb_every > 0 else None
+    bundle = rank0_first(lambda: ensure_bundle(eval_bundle), device) if core_every > 0 else None
+    gold_rows = rank0_first(ensure_rows, device) if gold_bpb_every > 0 else None
     run_dir = get_run_dir("base", run_name or f"d{depth}")
     lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
 

@@ -177,7 +177,8 @@ def test_bundle_download_extracts_atomically_or_fails_in_one_line(base_dir, tmp_
     """
     From a file:// URL: a good zip is extracted once to <base>/eval_bundle (complete, readable); a truncated zip, a
     zip missing a task file and a URL that cannot connect each raise one line naming the URL and leave nothing
-    extracted (no eval_bundle, .tmp or .unzip, no zip). Catches extracting before checking, a half-written zip kept.
+    extracted (no eval_bundle, .tmp or .unzip, no zip). A bundle copied by hand into <base>/eval_bundle is used, not
+    replaced. Catches extracting before checking, a half-written zip kept, a hand copy deleted as "incomplete".
     """
     def nothing_left():
         left = sorted(n for n in os.listdir(base_dir) if n.startswith("eval_bundle") and n != "eval_bundle.lock")
@@ -202,6 +203,9 @@ def test_bundle_download_extracts_atomically_or_fails_in_one_line(base_dir, tmp_
     assert [t["label"] for t in core_eval.read_bundle(path)[0]] == ["mc_test", "schema_test", "lm_test"]
     monkeypatch.setenv(core_eval.URL_ENV, "http://127.0.0.1:9/eval_bundle.zip")
     assert core_eval.ensure_bundle() == path  # once per machine: no second download
+    shutil.rmtree(path)
+    shutil.copytree(BUNDLE, path)  # a copy placed there by hand (no marker): used as it is, never removed
+    assert core_eval.ensure_bundle() == path and os.path.isfile(os.path.join(path, "core.yaml"))
     with pytest.raises(UserError, match="lm_test.jsonl is missing"):
         broken = tmp_path / "hand"
         shutil.copytree(BUNDLE, broken)
