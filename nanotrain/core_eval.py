@@ -357,8 +357,9 @@ def centered(accuracy, baseline_percent):
 def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_per_task=-1, stop=None):
     """
     CORE of `model` (a nanotrain GPT, not wrapped by DDP or torch.compile) on the extracted bundle in `bundle_dir`:
-    {"core": float, "max_per_task": int, "tasks": {label: {"accuracy", "centered", "baseline" (percent), "rows",
-    "num_fewshot", "task_type", "seconds"}}} in core.yaml's order, the same on every rank (collective under DDP).
+    {"core": float, "max_per_task": int, "order": [labels in core.yaml's order], "tasks": {label: {"accuracy",
+    "centered", "baseline" (percent), "rows", "num_fewshot", "task_type", "seconds"}}}, the same on every rank
+    (collective under DDP).
     Returns None when `stop` (see evaluate_task) asked to stop. Raises UserError for a bad bundle or row.
     """
     tasks, baselines = read_bundle(bundle_dir)
@@ -382,7 +383,7 @@ def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_p
         print0(f"{task['label']:<34} {task['task_type']:<18} {task['num_fewshot']:>2}-shot {len(rows):>6} rows | "
                f"accuracy {acc:.4f} | centred {r['centered']:+.4f} | {r['seconds']:.1f}s")
     core = sum(r["centered"] for r in out.values()) / len(out)
-    return {"core": core, "max_per_task": max_per_task, "tasks": out}
+    return {"core": core, "max_per_task": max_per_task, "order": list(out), "tasks": out}
 
 
 def write_results(run_dir, result, step):
@@ -394,7 +395,8 @@ def write_results(run_dir, result, step):
     json_path = os.path.join(run_dir, "core.json")
     atomic_write_json(json_path, result)
     lines = ["task,type,shots,rows,accuracy,centered,baseline_percent"]
-    for label, r in result["tasks"].items():
+    for label in result.get("order", result["tasks"]):
+        r = result["tasks"][label]
         lines.append(f"{label},{r['task_type']},{r['num_fewshot']},{r['rows']},{r['accuracy']:.6f},"
                      f"{r['centered']:.6f},{r['baseline']}")
     lines.append(f"CORE,,,,,{result['core']:.6f},")

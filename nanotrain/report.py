@@ -250,7 +250,8 @@ def core_table(core):
     lines = [f"CORE **{core['core']:.4f}** at step {core.get('step', '?')}"
              + (f" (at most {cut} rows per task)" if cut and cut > 0 else "") + " (scripts/base_eval.py)", "",
              "| task | type | shots | rows | accuracy | centred |", "|---|---|---:|---:|---:|---:|"]
-    for label, r in core.get("tasks", {}).items():
+    for label in core.get("order", core.get("tasks", {})):
+        r = core["tasks"][label]
         lines.append(f"| {label} | {r['task_type']} | {r['num_fewshot']} | {r['rows']} | {r['accuracy']:.4f} | "
                      f"{r['centered']:.4f} |")
     return "\n".join(lines)

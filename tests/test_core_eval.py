@@ -371,7 +371,7 @@ def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(b
     r = run_script("base_eval.py", "--run_name=core", "--step=3", f"--eval_bundle={BUNDLE}", base_dir=base_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     core = json.loads((run_dir / "core.json").read_text())
-    assert core["step"] == 3 and list(core["tasks"]) == ["mc_test", "schema_test", "lm_test"]
+    assert core["step"] == 3 and core["order"] == ["mc_test", "schema_test", "lm_test"]
     assert (run_dir / "core.csv").read_text().splitlines()[-1].startswith("CORE,,,,,")
     assert f"CORE **{core['core']:.4f}** at step 3" in (base_dir / "report" / "core" / "report.md").read_text()
     r = run_script("base_eval.py", "--run_name=core", "--mode=gold_bpb", base_dir=base_dir)
