@@ -93,6 +93,36 @@ def test_per_example_outcomes_are_the_hand_values(byte_tokenizer):
         assert got == HAND_OUTCOMES[task["label"]], task["label"]
 
 
+def _pick(model, tok, texts, spans, reduce):
+    """The option a variant scorer picks: per text, `reduce` ("mean" or "sum") of the hand model's per-token losses
+    over the byte span [a, b) of the text (BOS first, so token i + 1 is byte i)."""
+    scores = []
+    for text, (a, b) in zip(texts, spans):
+        ids = tok.encode(text, prepend=tok.get_bos_token_id())
+        loss = model(torch.tensor([ids[:-1]]), torch.tensor([ids[1:]]), loss_reduction="none")[a:b]
+        scores.append(getattr(loss, reduce)().item())
+    return scores.index(min(scores))
+
+
+def test_the_wrong_scorers_fail_on_the_fixture(byte_tokenizer):
+    """
+    The hand table tells the protocol from its plausible wrong versions: a summed loss picks option 1 on mc row 0
+    (gold 0), the whole choice text (not only the tokens after the common prefix) picks option 0 on mc row 2 (gold 1),
+    and the continuation text alone (not the common suffix in token space) ties on schema row 2 and picks option 0
+    (gold 1); the protocol gets all three right (test above).
+    """
+    m, tok = hand_model(), byte_tokenizer
+    mc0 = ["Pick one: bbbbc", "Pick one: c"]
+    assert _pick(m, tok, mc0, [(10, 15), (10, 11)], "sum") == 1
+    assert _pick(m, tok, mc0, [(10, 15), (10, 11)], "mean") == 0
+    mc2 = ["Count: bbbbbbbbq", "Count: bbbbbbbbcbq"]
+    assert _pick(m, tok, mc2, [(7, 16), (7, 18)], "mean") == 0
+    assert _pick(m, tok, mc2, [(15, 16), (15, 18)], "mean") == 1
+    sc2 = ["abb", "zbb"]
+    assert _pick(m, tok, sc2, [(2, 3), (2, 3)], "mean") == 0
+    assert _pick(m, tok, sc2, [(1, 3), (1, 3)], "mean") == 1
+
+
 def test_centred_accuracies_and_core_are_the_hand_values(byte_tokenizer, tmp_path):
     """
     Centred accuracies 1/3, 1/2, 1/2 and CORE 4/9 (module docstring), and core.csv carries them. Catches a baseline
