@@ -240,6 +240,8 @@ RULES = {
     "keep_last": ints(0, note="0 keeps all"),
     "step": ints(0, also=-1, note="-1 is the newest"),
     "max_problems": ints(1, also=-1, note="-1 means all"),
+    "max_per_task": ints(1, also=-1, note="-1 means all"),
+    "core_max_per_task": ints(1, also=-1, note="-1 means all"),
     # sampling
     "max_tokens": COUNT,
     "max_new_tokens": COUNT,

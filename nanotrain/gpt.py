@@ -325,10 +325,12 @@ class GPT(nn.Module):
         gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :self.smear_gate.in_features]))  # (B, T, 1)
         return x + gate.to(x.dtype) * prev
 
-    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", doc_ids=None, last_only=False):
+    def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", doc_ids=None, last_only=False,
+                logits_from=None):
         """
         idx: int64 (B, T) token ids. Without targets returns fp32 logits (B, T, vocab_size) (soft-capped at +-15), or
-        (B, 1, vocab_size) for the last position only with last_only=True (generation).
+        (B, 1, vocab_size) for the last position only with last_only=True (generation), or (B, T - logits_from,
+        vocab_size) for the positions from logits_from on (an int; scoring a continuation).
         With targets (int64 (B, T), -1 = ignored) returns the fp32 cross-entropy: a scalar for loss_reduction "mean"
         or "sum", (B*T,) for "none" (0 at ignored positions). "sum" over no counted target is 0 (not NaN); "mean"
         over none is NaN. The loss never materialises the logits: nanotrain.kernels.linear_cross_entropy computes
@@ -386,6 +388,8 @@ class GPT(nn.Module):
                                         loss_reduction, self.loss_chunk_size)
         if last_only:
             x = x[:, -1:]
+        elif logits_from is not None:
+            x = x[:, logits_from:]
         logits = self.lm_head(x).float()
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 

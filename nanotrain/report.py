@@ -128,6 +128,7 @@ def summarize(run_dir, stage, extra=None):
         "config": _read_json(os.path.join(run_dir, "config.json")) or {},
         "auto_batch_size": _read_json(os.path.join(run_dir, "auto_batch_size.json")),
         "chat_eval": _read_json(os.path.join(run_dir, "chat_eval.json")),
+        "core": _read_json(os.path.join(run_dir, "core.json")) if stage == "base" else None,
         "steps": train[-1]["step"] if train else 0,
         "train_time_s": sum(r["dt"] for r in train),
         "tokens_per_sec": med("tok_per_sec"), "mfu": med("mfu"),
@@ -254,6 +255,20 @@ def chat_eval_table(chat_eval):
     return "\n".join(lines)
 
 
+def core_table(core):
+    """The markdown of a core.json (nanotrain.core_eval.write_results): CORE, then accuracy and centred accuracy per
+    task."""
+    cut = core.get("max_per_task", -1)
+    lines = [f"CORE **{core['core']:.4f}** at step {core.get('step', '?')}"
+             + (f" (at most {cut} rows per task)" if cut and cut > 0 else "") + " (scripts/base_eval.py)", "",
+             "| task | type | shots | rows | accuracy | centred |", "|---|---|---:|---:|---:|---:|"]
+    for label in core.get("order", core.get("tasks", {})):
+        r = core["tasks"][label]
+        lines.append(f"| {label} | {r['task_type']} | {r['num_fewshot']} | {r['rows']} | {r['accuracy']:.4f} | "
+                     f"{r['centered']:.4f} |")
+    return "\n".join(lines)
+
+
 def chat_eval_comparison(run_name, run_dir):
     """
     A markdown table comparing the chat eval accuracy of every stage of `run_name` that has a chat_eval.json (e.g. the
@@ -323,6 +338,8 @@ def render_section(stage, summary, system, plots, comparison=""):
     for k, v in s["extra"].items():
         if k != "wall_time_s":
             loss.append(f"- {k}: {_fmt(v)}")
+    if s.get("core"):
+        loss.append("\n" + core_table(s["core"]))
     parts = [
         f"## {stage}: {TITLES[stage]}",
         "### System",

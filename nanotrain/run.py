@@ -120,6 +120,7 @@ class MetricsLog:
     def __init__(self, run_dir, resume_step=None, master=True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.file = None
+        self.wandb = None  # a wandb run receiving the same rows (open_run_log with settings["wandb_project"])
         if not master:
             return
         if resume_step is None:
@@ -166,6 +167,8 @@ class MetricsLog:
             except OSError:
                 self.close()
                 raise
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row.get("step"))
 
     def close(self):
         """Closes the file; a row that still cannot be written (a full disk) is dropped: the file is closed anyway."""
@@ -174,6 +177,9 @@ class MetricsLog:
                 self.file.close()
             except OSError:
                 pass
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def open_run_log(run_dir, settings, resume_step, master, device=None):
@@ -191,6 +197,8 @@ def open_run_log(run_dir, settings, resume_step, master, device=None):
         if master:
             print0("Config: " + json.dumps(settings, sort_keys=True))
             atomic_write_json(os.path.join(run_dir, "config.json"), settings)
+            if settings.get("wandb_project"):
+                metrics.wandb = start_wandb(settings["wandb_project"], run_dir, settings)
     except (OSError, UserError) as exc:
         error = exc
         if metrics is not None:
@@ -200,6 +208,21 @@ def open_run_log(run_dir, settings, resume_step, master, device=None):
     if error is not None:
         raise error
     return metrics
+
+
+def start_wandb(project, run_dir, settings):
+    """
+    A Weights & Biases run in `project` named <stage>/<run> (the run directory's last two parts), its files under
+    run_dir/wandb, `settings` as its config; WANDB_MODE=offline keeps it on disk. Raises UserError (one line) when
+    the wandb package is not installed.
+    """
+    try:
+        import wandb
+    except ImportError:
+        raise UserError(f"--wandb_project={project}: the wandb package is not installed (pip install wandb==0.31.0), "
+                        f"or leave --wandb_project empty") from None
+    name = "/".join(os.path.normpath(os.path.abspath(run_dir)).split(os.sep)[-2:])
+    return wandb.init(project=project, name=name, dir=run_dir, config=settings)
 
 
 def finish_run(model, run_dir, stage, metrics, t_start, summary):

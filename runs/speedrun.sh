@@ -15,5 +15,9 @@ python scripts/tok_train.py --data=fineweb-edu --vocab_size=65536 --max_chars=20
 # 2. pretraining
 torchrun --standalone --nproc_per_node=$NPROC scripts/base_train.py --data=fineweb-edu --depth=20 --run_name=d20
 
-# 3. a sample
+# 3. CORE of the final model (the DCLM 22-task metric as nanochat computes it; downloads the ~162 MB eval bundle once;
+#    GPT-2 1.5B scores 0.2565, see the README's "Base model evaluation (CORE)")
+torchrun --standalone --nproc_per_node=$NPROC scripts/base_eval.py --run_name=d20
+
+# 4. a sample
 python scripts/sample.py --run_name=d20 --prompt="The capital of France is" --temperature=0

@@ -21,6 +21,7 @@ from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.autobatch.stepdown import OOMStepDown
 from nanotrain.checkpoint import check_resume, load_optimizers, resume_checkpoint, save_checkpoint
 from nanotrain.common import (
+    UserError,
     all_reduce_scalar,
     any_rank,
     compute_init,
@@ -33,9 +34,12 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure
+from nanotrain.core_eval import ensure_bundle, evaluate_core, write_results
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
+from nanotrain.downloads import rank0_first
 from nanotrain.fsdp import gathered_root, shard_model
+from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.gpt import adamw_lr_scale, build_model, config_from_depth
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
@@ -104,6 +108,11 @@ eval_tokens = 20 * 524288  # >= 1: validation tokens per evaluation
 sample_every = 2000  # -1 or >= 1: steps between greedy samples of a few fixed prompts (rank 0)
 save_every = 1000  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
+core_every = -1  # -1 or >= 1: steps between CORE evaluations (and at the end, not at 0); each step saved before it
+core_max_per_task = 500  # -1 or >= 1: rows per CORE task in the loop (-1: all)
+eval_bundle = ""  # a CORE eval bundle directory copied by hand; "" downloads it once into <base_dir>/eval_bundle
+gold_bpb_every = -1  # -1 or >= 1: steps between gold-answer bpb evaluations (NOT CORE; nanotrain/gold_bpb.py)
+wandb_project = ""  # log metrics.jsonl's rows to this Weights & Biases project too (rank 0); "" is off
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
@@ -129,6 +138,9 @@ def main():
     use_fsdp = fsdp and world_size > 1
     if fsdp and not use_fsdp:
         print0("--fsdp=True with one process: nothing to shard, training without FSDP")
+    if use_fsdp and (core_every > 0 or gold_bpb_every > 0):
+        raise UserError("--core_every and --gold_bpb_every need the whole model on every rank: not with --fsdp=True "
+                        "(evaluate the saved checkpoint with scripts/base_eval.py instead)")
 
     # tokenizer, model config, run directory
     tokenizer = get_tokenizer()
@@ -142,6 +154,9 @@ def main():
         muon_wd = muon_weight_decay_for(model_config.model_dim)
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
+    # the downstream evaluations' data before anything is written: offline, one line and no run directory
+    bundle = rank0_first(lambda: ensure_bundle(eval_bundle), device) if core_every > 0 else None
+    gold_rows = rank0_first(ensure_rows, device) if gold_bpb_every > 0 else None
     run_dir = get_run_dir("base", run_name or f"d{depth}")
     lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
 
@@ -257,7 +272,10 @@ def main():
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
-        if save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
+        resume_step = ckpt["meta"]["step"] if ckpt is not None else None
+        core_due = core_every > 0 and step > 0 and not stop and (last_step or step % core_every == 0)
+        # CORE runs long: its step is saved before it starts (a crash or stop request in it loses nothing)
+        if save_due(step, last_step, save_every, resume_step) or (core_due and step not in (0, resume_step)):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True")
@@ -272,6 +290,25 @@ def main():
                 continue
             print0(f"step {step:05d}/{total_steps:05d} | val bpb {val_bpb:.4f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_bpb=val_bpb)
+        # downstream: gold-answer bpb (not CORE) and CORE, on the unwrapped model
+        if gold_bpb_every > 0 and (last_step or step % gold_bpb_every == 0):
+            t0 = time.time()
+            gold = evaluate_gold_bpb(orig_model, tokenizer, gold_rows, token_bytes, device, autocast_ctx)
+            print0(f"step {step:05d}/{total_steps:05d} | gold-answer bpb (not CORE) {gold['gold_bpb']:.4f} ("
+                   + ", ".join(f"{k} {v:.4f}" for k, v in gold.items() if k != "gold_bpb")
+                   + f") | {time.time() - t0:.1f}s")
+            metrics.log(step=step, **{("gold_bpb" if k == "gold_bpb" else f"gold_bpb_{k}"): v for k, v in gold.items()})
+        if core_due:
+            t0 = time.time()
+            core = evaluate_core(orig_model, tokenizer, bundle, device, autocast_ctx, core_max_per_task,
+                                 stop=lambda: any_rank(nanotrain.stop.requested, device))
+            if core is None:  # a stop request during CORE: this step is saved (above), stop here
+                print0(f"Stopped at step {step} during CORE; its checkpoint is saved: resume with --resume=True")
+                break
+            print0(f"step {step:05d}/{total_steps:05d} | CORE {core['core']:.4f} | {time.time() - t0:.1f}s")
+            metrics.log(step=step, core=core["core"])
+            if master:
+                write_results(run_dir, core, step)
         # greedy samples of a few fixed prompts
         if (master or use_fsdp) and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
             with gathered_root(orig_model):  # FSDP: every rank runs the same forwards (all-gathers), rank 0 prints

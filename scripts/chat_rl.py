@@ -85,6 +85,7 @@ eval_every = 20  # -1 or >= 1: steps between greedy pass@1 evaluations on held-o
 eval_problems = 100  # >= 1: held-out prompts per evaluation (the first ones of the val split)
 save_every = 20  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
+wandb_project = ""  # log metrics.jsonl's rows to this Weights & Biases project too (rank 0); "" is off
 resume = False  # continue from the newest complete checkpoint of this run
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 config = configure(globals(), none_types={"num_iterations": (int,)},

@@ -101,6 +101,7 @@ eval_tokens = 1048576  # >= 1: validation tokens per evaluation, at most one pas
 sample_every = -1  # -1 or >= 1: steps between greedy chat answers to a few fixed questions (rank 0)
 save_every = 500  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
+wandb_project = ""  # log metrics.jsonl's rows to this Weights & Biases project too (rank 0); "" is off
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32

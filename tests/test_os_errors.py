@@ -448,6 +448,7 @@ SCRIPTS = {
                      "--eval_every=-1", "--tasks=arith:1"], True),
     "tok_train.py": ([f"--vocab_size={TINY_VOCAB}", "--max_chars=20000"], True),
     "chat_eval.py": (["--source=base", "--max_problems=2", "--max_tokens=4", "--tasks=arith"], True),
+    "base_eval.py": ([f"--eval_bundle={os.path.join(REPO, 'tests', 'data', 'core_bundle')}", "--max_per_task=1"], True),
     "export.py": (["--source=base", "--verify=False"], True),
     "sample.py": (["--max_tokens=4"], False),
     "chat_cli.py": (["--source=base", "-p", "hi", "--max_tokens=4"], False),

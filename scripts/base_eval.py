@@ -1,0 +1,74 @@
+"""
+Evaluate a base checkpoint: CORE (the DCLM 22-task metric, computed as nanochat computes it: nanotrain/core_eval.py)
+or the gold-answer bits per byte of real benchmark rows (NOT CORE: a continuous signal for tiny models,
+nanotrain/gold_bpb.py). Writes core.json and core.csv (or gold_bpb.json) into the run directory and the CORE table
+into the run's report card.
+
+    python scripts/base_eval.py --run_name=d20                       # CORE of the newest checkpoint
+    python scripts/base_eval.py --max_per_task=100                   # quick: 100 rows per task
+    python scripts/base_eval.py --eval_bundle=/data/eval_bundle      # a bundle copied by hand (offline)
+    python scripts/base_eval.py --mode=gold_bpb --step=0             # not CORE: gold-answer bpb
+    torchrun --standalone --nproc_per_node=8 scripts/base_eval.py    # rows strided over 8 ranks
+
+The eval bundle (~162 MB, the one nanochat uses) is downloaded once per machine into <base_dir>/eval_bundle.
+"""
+
+import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
+
+# isort: split
+import os
+import time
+
+from nanotrain.checkpoint import load_model
+from nanotrain.common import UserError, atomic_write_json, compute_init, print0, run_script
+from nanotrain.configurator import configure
+from nanotrain.core_eval import ensure_bundle, evaluate_core, write_results
+from nanotrain.downloads import rank0_first
+from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
+from nanotrain.report import write_section_or_warn
+from nanotrain.tokenizer import get_token_bytes
+from nanotrain.training import precision
+
+run_name = ""  # the base run; "" picks the run with the newest checkpoint
+step = -1  # checkpoint step; -1 is the newest
+mode = "core"  # core | gold_bpb (gold-answer bits per byte: not CORE)
+eval_bundle = ""  # a CORE eval bundle directory copied by hand; "" downloads it once into <base_dir>/eval_bundle
+max_per_task = -1  # rows per CORE task (shuffled with a fixed seed, then cut); -1 means all
+dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
+device_type = ""  # cuda | mps | cpu; "" autodetects
+config = configure(globals())
+
+
+def main():
+    t_start = time.time()
+    if mode not in ("core", "gold_bpb"):
+        raise UserError(f"--mode={mode}: expected core or gold_bpb")
+    _, rank, _, _, device = compute_init(device_type)
+    # the data first: offline, the error comes before any checkpoint is read
+    bundle = rank0_first(lambda: ensure_bundle(eval_bundle), device) if mode == "core" else None
+    rows = rank0_first(ensure_rows, device) if mode == "gold_bpb" else None
+    model, tokenizer, path, meta = load_model("base", run_name, step, device)
+    print0(f"checkpoint: {path}")
+    _, autocast_ctx = precision(dtype, device)
+    run_dir = os.path.dirname(os.path.dirname(path))  # <run_dir>/checkpoints/step_XXXXXX
+    if mode == "gold_bpb":
+        result = evaluate_gold_bpb(model, tokenizer, rows, get_token_bytes(device), device, autocast_ctx)
+        print0("gold-answer bpb (not CORE): " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        if rank == 0:
+            atomic_write_json(os.path.join(run_dir, "gold_bpb.json"), dict(result, step=meta.get("step"),
+                                                                           checkpoint=path))
+        return
+    result = evaluate_core(model, tokenizer, bundle, device, autocast_ctx, max_per_task)
+    print0(f"CORE {result['core']:.4f} ({len(result['tasks'])} tasks"
+           + (f", at most {max_per_task} rows each" if max_per_task > 0 else "") + f"; {time.time() - t_start:.0f}s)")
+    if rank == 0:
+        out = write_results(run_dir, dict(result, checkpoint=path, bundle=bundle), meta.get("step"))
+        print0(f"saved {out} and core.csv")
+        # the results are saved: a report card that cannot be written is one warning line, not a failure
+        report = write_section_or_warn(os.path.basename(run_dir), "base", run_dir)
+        if report:
+            print0(f"Report card: {report}")
+
+
+if __name__ == "__main__":
+    run_script(main)
