@@ -49,6 +49,7 @@ def test_every_training_stage_has_the_flag():
     """base_train, mid_train, chat_sft and chat_rl each define --wandb_project (off by default), the setting
     open_run_log reads: a stage without it would silently never log to wandb."""
     import ast
+
     from helpers import REPO
     for script in ("base_train.py", "mid_train.py", "chat_sft.py", "chat_rl.py"):
         tree = ast.parse(open(os.path.join(REPO, "scripts", script)).read())
