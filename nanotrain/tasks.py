@@ -2,8 +2,10 @@
 The built-in chat tasks and their grading: conversations {"messages": [...], "task": name, ...} in the format of
 nanotrain.tokenizer.render_conversation, generated offline and deterministically (no download), with disjoint
 train/val splits:
-  "arith"    add / subtract / multiply small numbers: the answer calls the calculator tool
-             (<|python_start|>37 + 48<|python_end|>, its output forced by the engine) and ends "Answer: N"
+  "arith"    add / subtract / multiply small numbers, ending "Answer: N": half of the answers (ARITH_TOOL_SHARE,
+             drawn per row) call the calculator tool (<|python_start|>37 + 48<|python_end|>, its output forced by
+             the engine), the others work it out by hand (37 + 48 = 37 + 40 + 8 = 77 + 8 = 85), so a model
+             learns both and RL can learn from reward which one pays
   "spell"    spell a word letter by letter, or count a letter in it (nanochat's SpellingBee idea; the count calls the
              tool: 'word'.count('r')); words from the builtin corpus (Python's documentation, nanotrain.dataset), so
              they match what the base model read
@@ -30,6 +32,7 @@ from nanotrain.gsm8k import grade_gsm8k
 BUILTIN_TASKS = ("arith", "spell", "identity")
 TRAIN_ROWS = {"arith": 3000, "spell": 3000, "identity": 1000}  # training conversations per built-in task
 VAL_ROWS = {"arith": 200, "spell": 200, "identity": 100}  # validation conversations per built-in task
+ARITH_TOOL_SHARE = 0.5  # the share of arith answers that call the calculator; the others work the sum out by hand
 SPELL_MIN_COUNT = 5  # a word joins the spelling vocabulary if it occurs this often in the builtin training corpus
 SPELL_WORD_LEN = (3, 10)  # word lengths (letters) of the spelling task
 
@@ -74,12 +77,27 @@ def _arith_keys():
     return keys
 
 
-def _arith_answer(op, a, b):
-    """The answer: the expression handed to the calculator tool, its result, and a final "Answer: N" line, as a list
-    of assistant parts (the engine runs the tool at test time; the tool's output is never trained)."""
+def _arith_tool_answer(op, a, b):
+    """The answer that calls the tool: the expression handed to the calculator, its result, and a final "Answer: N"
+    line, as a list of assistant parts (the engine runs the tool at test time; the tool's output is never trained)."""
     c = {"+": a + b, "-": a - b, "*": a * b}[op]
     parts = [_text(f"{a} {op} {b} = "), _python(f"{a} {op} {b}"), _output(str(c)), _text(f".\nAnswer: {c}")]
     return parts, c
+
+
+def _arith_worked_answer(op, a, b):
+    """The answer worked by hand: tens then ones of the second number (add/sub), of the first number (mul)."""
+    c = {"+": a + b, "-": a - b, "*": a * b}[op]
+    if op in "+-" and b >= 10 and b % 10:
+        bt, bo = b - b % 10, b % 10
+        mid = a + bt if op == "+" else a - bt
+        work = f"{a} {op} {b} = {a} {op} {bt} {op} {bo} = {mid} {op} {bo} = {c}."
+    elif op == "*" and a >= 10 and a % 10:
+        at, ao = a - a % 10, a % 10
+        work = f"{a} * {b} = {at} * {b} + {ao} * {b} = {at * b} + {ao * b} = {c}."
+    else:
+        work = f"{a} {op} {b} = {c}."
+    return work + f"\nAnswer: {c}", c
 
 
 def _arith(split, n, rng):
@@ -91,7 +109,8 @@ def _arith(split, n, rng):
     for _ in range(n):
         op, a, b = rng.choice(pools[rng.choice("+-*")])
         question = rng.choice(ARITH_QUESTIONS).format(a=a, b=b, op=op, word=ARITH_WORDS[op])
-        answer, c = _arith_answer(op, a, b)
+        style = _arith_tool_answer if rng.random() < ARITH_TOOL_SHARE else _arith_worked_answer
+        answer, c = style(op, a, b)
         out.append({"messages": [_user(question), _assistant(answer)], "task": "arith", "answer": str(c)})
     return out
 
