@@ -489,11 +489,12 @@ def stopped_runs(shared_base_dir, tmp_path_factory):
     return get
 
 
-# the default run keeps base_train's mid-step and evaluation moments; start-up, checkpoint write and every chat_sft
-# moment are slow (CI runs that tier too)
+# the default run keeps base_train's mid-step moment; start-up, evaluation, checkpoint write and every chat_sft moment
+# are slow (CI runs that tier too; test_convergence.py's in-process evaluate_bpb stop check keeps the evaluation's
+# abandon-at-once in the default run)
 @pytest.mark.parametrize("script", ["base_train.py", pytest.param("chat_sft.py", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("moment", [pytest.param(m, marks=[pytest.mark.slow] if m in ("start-up", "checkpoint write")
-                                                 else []) for m in MOMENTS])
+@pytest.mark.parametrize("moment", [pytest.param(m, marks=[pytest.mark.slow] if m != "mid-step" else [])
+                                    for m in MOMENTS])
 def test_sigterm_at_any_moment_then_resume_equals_the_straight_run(stopped_runs, script, moment):
     """
     SIGTERM at start-up (half a second in, while torch is imported), in the middle of a step, during an evaluation and during a checkpoint write: the run stops
