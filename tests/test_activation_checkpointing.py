@@ -171,7 +171,7 @@ def test_lower_peak_memory_same_batch():
     assert peaks[True] <= 0.65 * peaks[False], peaks
 
 
-@pytest.mark.unit
+@pytest.mark.slow  # the default run keeps test_lower_peak_memory_same_batch and test_auto_batch_size's discovery
 def test_discovery_finds_a_larger_batch_and_its_own_cache_entry(tmp_path, monkeypatch):
     """
     With a budget in which the checkpointed step fits at device_batch_size 16 and (as measured first) the plain one

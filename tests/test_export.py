@@ -122,6 +122,7 @@ def test_missing_corrupt_or_foreign_files_raise_user_error(tmp_path):
 
 
 @pytest.mark.smoke
+@pytest.mark.slow  # the default run keeps the in-process export, reload and errors (test_round_trip_equal_logits, ...)
 def test_export_script_end_to_end(base_dir):
     """
     base_train 2 steps -> scripts/export.py --source=base writes <run_dir>/export/model.safetensors whose reloaded
