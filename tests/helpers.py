@@ -1,16 +1,21 @@
 """
 Helpers the tests share (imported as `from helpers import ...`; fixtures stay in conftest.py): the repository root,
 the tiny base_train configuration of the smoke tests, running a script through the command line, the numeric tests'
-tiny model, gradients as one tensor, a relative distance, and SFT's backward as chat_sft runs it.
+tiny model, gradients as one tensor, a relative distance, SFT's backward as chat_sft runs it, a free port and
+spawned ranks for the gloo tests.
 """
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.sft_data import global_target_count, token_loss_scale
@@ -126,3 +131,22 @@ def same(a, b):
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, args, nprocs=2, timeout_s=90):
+    """Runs worker(rank, *args) in `nprocs` spawned processes and waits for them; a rank still running after
+    timeout_s seconds fails the test (all ranks terminated); a rank that raises re-raises here."""
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.time() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{nprocs}-rank run timed out after {timeout_s} s")

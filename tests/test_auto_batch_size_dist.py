@@ -9,7 +9,6 @@ test has a deadline), also when the other rank's probe did not fit; a process gr
 
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 
 from nanotrain.autobatch.builders import gpt_builder
 from nanotrain.autobatch.probe import GiB, measure_fake_peak
@@ -30,12 +30,6 @@ DEADLINE_S = 240
 CONFIG = GPTConfig(max_seq_len=32, vocab_size=256, n_layer=1, n_head=2, n_kv_head=2, model_dim=32)
 ARGS = dict(max_seq_len=32, vocab_size=256, total_batch_size=32 * WORLD * 16, world_size=WORLD, device="cpu",
             amp_dtype=None, compile=False, key_fields={})
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def failing_builder(rank):

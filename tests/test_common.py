@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import free_port
 
 from nanotrain.common import UserError, check_compile_toolchain
 
@@ -66,13 +67,6 @@ exit_process(int(how))
 """
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exit_env():
     """The environment without PYTHONUNBUFFERED (any non-empty value, "0" too, makes stdout unbuffered)."""
     import os
@@ -93,7 +87,7 @@ def test_exit_process_under_distributed_keeps_code_atexit_and_output(tmp_path):
     script = tmp_path / "exit_script.py"
     script.write_text(EXIT_SCRIPT)
     env = dict(_exit_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     for how, code in (("3", 3), ("die", 2)):
         out = subprocess.run([sys.executable, str(script), how], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == code, (how, out.stdout, out.stderr[-2000:])

@@ -4,13 +4,13 @@ all-reduce per optimizer step, replicas bitwise equal after several steps, the l
 """
 
 import os
-import socket
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import free_port
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from nanotrain.common import all_reduce_scalar, exit_process
@@ -20,12 +20,6 @@ from nanotrain.training import forward_backward, micro_batches, optimizer_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 2
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model():

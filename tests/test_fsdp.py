@@ -6,14 +6,13 @@ The in-process checks run in one spawn of 2 ranks (module fixture `runs`); the t
 
 import json
 import os
-import socket
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TINY_TRAIN, run_script
+from helpers import TINY_TRAIN, free_port, run_script
 
 from nanotrain.checkpoint import load_checkpoint, load_optimizers, save_checkpoint
 from nanotrain.common import all_reduce_scalar, exit_process
@@ -24,12 +23,6 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 WORLD = 2
 STEPS, SAVE_AT = 5, 3  # optimizer steps per run; the checkpoint is written after SAVE_AT steps
 CPU = torch.device("cpu")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Muon with every option (NorMuon, cautious weight decay) and its Newton-Schulz in fp32: in bf16, updates that differ

@@ -12,15 +12,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import REPO, TINY_TRAIN, grads, rel, run_script, tiny_model
+from helpers import REPO, TINY_TRAIN, free_port, grads, rel, run_script, spawn_ranks, tiny_model
 
 from nanotrain.common import exit_process
 from nanotrain.gpt import GPT, GPTConfig
@@ -200,30 +198,11 @@ def test_two_gloo_ranks_give_the_one_process_gradient():
     """2 gloo ranks under DDP (unequal micro-batch counts, a filler micro-batch) give the reference gradient within
     1e-5 relative, identical on both ranks. Catches a rank-local count and a missing world-size factor."""
     ref = reference_grad(tiny_model(), sampled_rows())
-    with socket_port() as port, tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_dist_worker, args=(2, port, out_dir), nprocs=2, join=False, start_method="spawn")
-        deadline = time.time() + 90
-        while not ctx.join(timeout=1):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    p.terminate()
-                pytest.fail("2-rank gloo run timed out")
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn_ranks(_dist_worker, (2, free_port(), out_dir))
         r = [torch.load(os.path.join(out_dir, f"rank{i}.pt"), weights_only=True) for i in range(2)]
     assert torch.equal(r[0]["grad"], r[1]["grad"])
     assert rel(r[0]["grad"], ref) <= 1e-5
-
-
-class socket_port:
-    """A free TCP port on 127.0.0.1 (context manager)."""
-
-    def __enter__(self):
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------- chat_rl end to end

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import REPO, TINY_TRAIN, run_script
+from helpers import REPO, TINY_TRAIN, free_port, run_script
 
 pytestmark = pytest.mark.smoke
 
@@ -87,12 +86,6 @@ class Watched:
     @property
     def text(self):
         return "".join(self.lines)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PREEMPT_STEPS = 20

@@ -7,17 +7,14 @@ per-micro-batch mean misses by more than 1e-2.
 
 import math
 import os
-import socket
 import tempfile
-import time
 from contextlib import nullcontext
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import sft_backward
+from helpers import free_port, sft_backward, spawn_ranks
 
 from nanotrain.common import exit_process
 from nanotrain.gpt import GPT, GPTConfig
@@ -139,12 +136,6 @@ def test_zero_token_micro_batch_and_empty_step():
 
 
 # ----------------------------------------------------------------------------- 2 ranks on gloo
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dist_worker(rank, world_size, port, out_dir):
     """One rank: DDP over the tiny model, this rank's micro-batches from lpt_pack, correct and naive backward."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -177,15 +168,8 @@ def test_ddp_two_ranks_with_accumulation_equals_single_process():
     per-micro-batch mean (exercised, must differ by > 1e-2), a missing world_size factor, and a local count.
     """
     ref_loss, ref_grad = reference(make_model(), make_convs()[:7])
-    port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_dist_worker, args=(2, port, out_dir), nprocs=2, join=False, start_method="spawn")
-        deadline = time.time() + 90
-        while not ctx.join(timeout=1):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    p.terminate()
-                pytest.fail("2-rank gloo run timed out")
+        spawn_ranks(_dist_worker, (2, free_port(), out_dir))
         r = [torch.load(os.path.join(out_dir, f"rank{i}.pt"), weights_only=True) for i in range(2)]
     assert r[0]["num_micro"] == r[1]["num_micro"] == 4 and r[0]["dummies"] + r[1]["dummies"] == 1
     assert r[0]["targets"] != r[1]["targets"]  # the ranks really carry unequal token counts
