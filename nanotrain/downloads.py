@@ -7,6 +7,7 @@ and nothing half-written is left behind.
 """
 
 import contextlib
+import hashlib
 import os
 import urllib.error
 import urllib.request
@@ -77,6 +78,24 @@ def download(url, dest, what, hint, timeout=CONNECT_TIMEOUT_S):
     finally:
         if os.path.exists(part):
             os.remove(part)
+    return dest
+
+
+def download_verified(url, dest, sha256, what, hint):
+    """
+    download(url, dest, what, hint), then the file's sha256 checked against `sha256` (hex). Returns `dest`.
+    Raises download's UserError, or UserError ("... sha256 X, expected Y ...") with the file removed when it is not the
+    pinned file; OSError for a local file-system error.
+    """
+    download(url, dest, what, hint)
+    h = hashlib.sha256()
+    with open(dest, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if h.hexdigest() != sha256:
+        os.remove(dest)
+        raise UserError(f"{url}: sha256 {h.hexdigest()}, expected {sha256}: not {what} (damaged or another file); "
+                        f"run again to download it again")
     return dest
 
 

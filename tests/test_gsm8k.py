@@ -43,11 +43,13 @@ def test_annotations_become_tool_calls():
 
 
 def test_grader_on_near_misses():
-    """Hand verdicts: commas removed, the last '####' wins, signs and trailing text, no '####' is wrong."""
+    """Hand verdicts of OpenAI's grade-school-math extraction (regex '#### (-?[0-9.,]+)', its first match, commas
+    removed, then exact string match): commas removed, the first '####' wins, a trailing '.' or no space after '####'
+    is wrong, signs and trailing text. Catches taking the last '####', stripping the '.', and a lenient '####\\s*'."""
     conv = {"task": "gsm8k", "answer": "1200", "messages": []}
-    verdicts = {"#### 1200": True, "#### 1,200": True, "so #### 1200 pens": True, "#### 1200.": True,
-                "#### 12 then #### 1200": True, "#### 1200 then #### 12": False, "#### -1200": False,
-                "1200": False, "#### 120": False, "####1200": True, "# 1200": False, "": False}
+    verdicts = {"#### 1200": True, "#### 1,200": True, "so #### 1200 pens": True, "#### 1200.": False,
+                "#### 12 then #### 1200": False, "#### 1200 then #### 12": True, "#### -1200": False,
+                "1200": False, "#### 120": False, "####1200": False, "# 1200": False, "": False}
     for text, want in verdicts.items():
         assert grade(conv, text) is want, text
     assert grade_gsm8k("#### -5", "-5") and not grade_gsm8k("#### 5", "-5")

@@ -1,0 +1,212 @@
+"""
+Scoring a chat model on the benchmarks of nanotrain.benchmarks (and on the built-in tasks), as nanochat's
+scripts/chat_eval.py scores them, so that the numbers compare:
+- multiple choice (ARC, MMLU): one forward of the prompt (the conversation without its reply, then
+  <|assistant_start|>); the prediction is the argmax of the logits at that last position restricted to the problem's
+  choice letters (each one token); right for the gold letter;
+- generative (GSM8K, HumanEval, the built-in tasks): the reply decoded by nanotrain.engine (greedy by default, the
+  calculator tool as asked), graded by GSM8K's "#### N" exact match, HumanEval's tests run in nanotrain.execution's
+  sandbox, or nanotrain.tasks.grade; with num_samples > 1 a problem's accuracy is its unbiased pass@1 (the share of
+  correct samples) and pass@k is reported too (Chen et al. 2021);
+- ChatCORE (nanochat): the mean over the five benchmarks of the centred accuracy (acc - chance) / (1 - chance),
+  chance 0.25 for ARC-Easy, ARC-Challenge and MMLU, 0 for GSM8K and HumanEval; only when all five were scored.
+Problems are strided over ranks and the counts all-reduced, so every rank returns the same numbers.
+"""
+
+import re
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from nanotrain.benchmarks import BENCHMARKS, CATEGORICAL, CHANCE
+from nanotrain.common import UserError
+from nanotrain.gsm8k import grade_gsm8k
+from nanotrain.rl import pass_at_k
+from nanotrain.tasks import grade, wilson_interval
+
+HUMANEVAL_TIMEOUT_S = 5.0  # wall-clock limit per HumanEval program (nanochat's)
+HUMANEVAL_MEMORY = 256 * 2**20  # bytes of address space per HumanEval program (nanochat's)
+SANDBOX_WORKERS = 4  # HumanEval programs run at once (each its own subprocess)
+
+
+def _dist():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ----------------------------------------------------------------------------- HumanEval
+
+def extract_imports(prompt):
+    """The import lines at the top of a HumanEval prompt (blank and comment lines skipped, up to the first other
+    line), joined by newlines."""
+    out = []
+    for line in prompt.split("\n"):
+        s = line.strip()
+        if s.startswith(("import ", "from ")):
+            out.append(s)
+        elif s and not s.startswith("#"):
+            break
+    return "\n".join(out)
+
+
+def extract_program(completion):
+    """The first ```python (or ```) fenced block of a reply, stripped; the whole reply stripped if it has none."""
+    blocks = re.findall(r"```(?:python)?\s*\n(.*?)\n```", completion, re.DOTALL)
+    return blocks[0].strip() if blocks else completion.strip()
+
+
+def humaneval_program(conversation, completion):
+    """The program that grades a HumanEval reply (nanochat's): the prompt's imports, the reply's code
+    (extract_program), the problem's test code and check(entry_point), separated by blank lines."""
+    return (f"{extract_imports(conversation['messages'][0]['content'])}\n\n{extract_program(completion)}\n\n"
+            f"{conversation['test']}\ncheck({conversation['entry_point']})\n")
+
+
+def grade_humaneval(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL_MEMORY, workers=SANDBOX_WORKERS):
+    """
+    [(conversation, completion)] -> list[bool]: each program of humaneval_program run in nanotrain.execution's
+    sandbox (a fresh subprocess per program, `workers` at a time), True when it exits cleanly within the limits
+    and reaches its end: a line printing a random token drawn after the reply was written is appended, so a reply
+    that calls sys.exit(0) before the tests run does not pass.
+    """
+    from nanotrain.execution import run_program
+
+    def run(pair):
+        token = secrets.token_hex(16)
+        result = run_program(humaneval_program(*pair) + f"print({token!r})\n", timeout_s=timeout_s,
+                             memory_bytes=memory_bytes)
+        return result.passed and token in result.stdout
+    if not pairs:
+        return []
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(run, pairs))
+
+
+def grade_replies(conversations, replies):
+    """list[bool]: each reply (str) graded against its conversation by its task: GSM8K exact match, HumanEval in the
+    sandbox, else nanotrain.tasks.grade."""
+    out = [None] * len(replies)
+    code = [i for i, c in enumerate(conversations) if c.get("task") == "humaneval"]
+    for i, ok in zip(code, grade_humaneval([(conversations[i], replies[i]) for i in code])):
+        out[i] = ok
+    for i, (c, r) in enumerate(zip(conversations, replies)):
+        if out[i] is None:
+            out[i] = grade_gsm8k(r, c["answer"]) if c.get("task") == "gsm8k" else bool(grade(c, r))
+    return out
+
+
+# ----------------------------------------------------------------------------- scoring
+
+@torch.no_grad()
+def score_multiple_choice(model, tokenizer, conversations, batch_size=8, autocast_ctx=None):
+    """
+    The letter each conversation's prompt predicts, list[str] in input order: one forward per batch (prompts sorted
+    by length, right-padded with <|bos|>, which causal attention never lets an earlier position see), the logits
+    at each prompt's last position restricted to its "letters". A prompt longer than the model's rotary table is
+    cropped from the left. Raises UserError when a letter is not one token of the tokenizer.
+    """
+    device = model.wte.weight.device
+    bos = tokenizer.get_bos_token_id()
+    ctx = autocast_ctx if autocast_ctx is not None else torch.autocast(device.type, enabled=False)
+    letter_ids = {}
+    for c in conversations:
+        for letter in c["letters"]:
+            if letter not in letter_ids:
+                ids = tokenizer.encode(letter)
+                if len(ids) != 1:
+                    raise UserError(f"the choice letter {letter!r} is {len(ids)} tokens in this tokenizer, expected 1")
+                letter_ids[letter] = ids[0]
+    prompts = [tokenizer.render_for_completion(c)[-model.rotary_len:] for c in conversations]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out = [None] * len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        for lo in range(0, len(order), batch_size):
+            rows = order[lo:lo + batch_size]
+            lengths = [len(prompts[i]) for i in rows]
+            x = torch.full((len(rows), max(lengths)), bos, dtype=torch.long)
+            for r, i in enumerate(rows):
+                x[r, :lengths[r]] = torch.tensor(prompts[i])
+            start = min(lengths) - 1  # logits only from the shortest prompt's last position on
+            with ctx:
+                logits = model(x.to(device), logits_from=start)  # (B, max - start, vocab) fp32
+            for r, i in enumerate(rows):
+                letters = conversations[i]["letters"]
+                focus = logits[r, lengths[r] - 1 - start, [letter_ids[k] for k in letters]]
+                out[i] = letters[int(focus.argmax())]
+    finally:
+        model.train(was_training)
+    return out
+
+
+def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, num_samples=1, temperature=0.0,
+               top_k=50, tool=True, batch_size=8, max_batch=64, seed=42, autocast_ctx=None, device=None):
+    """
+    Scores `conversations` (all of one task `name`): categorical for ARC/MMLU, generative otherwise (see the module
+    docstring). The problems are strided over ranks; the counts are summed over ranks. Returns {"correct": number of
+    problems right (generative with num_samples > 1: the sum of the problems' shares of correct samples), "total",
+    "accuracy" (pass@1), "ci95" (Wilson, on problems), "chance", plus "pass@k" for k = num_samples > 1, and "example"
+    (the first problem's prompt and reply on rank 0)}. Raises UserError for num_samples < 1 or num_samples > 1 with
+    temperature 0.
+    """
+    if num_samples < 1 or (num_samples > 1 and temperature == 0):
+        raise UserError(f"num_samples={num_samples} with temperature={temperature}: expected num_samples >= 1, and "
+                        f"temperature > 0 when num_samples > 1 (greedy samples are all the same)")
+    rank, world = _dist()
+    mine = conversations[rank::world]
+    example = None
+    passk = 0.0
+    if name in CATEGORICAL:
+        letters = score_multiple_choice(model, tokenizer, mine, batch_size, autocast_ctx)
+        hits = [float(p == c["answer"]) for p, c in zip(letters, mine)]
+        if mine:
+            example = (mine[0]["messages"][0]["content"], letters[0])
+    else:
+        prompts = [tokenizer.render_for_completion(c) for c in mine for _ in range(num_samples)]
+        with autocast_ctx if autocast_ctx is not None else nullcontext():
+            outs = engine.generate(prompts, max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                                   max_batch=max_batch, tool=tool)
+        replies = [tokenizer.decode(o) for o in outs]
+        ok = grade_replies([c for c in mine for _ in range(num_samples)], replies)
+        hits = []
+        for p in range(len(mine)):
+            c = sum(ok[p * num_samples:(p + 1) * num_samples])
+            hits.append(c / num_samples)
+            if num_samples > 1:
+                passk += pass_at_k(num_samples, c, num_samples)
+        if mine:
+            content = mine[0]["messages"][-2]["content"]
+            example = (content if isinstance(content, str) else str(content), replies[0])
+    sums = torch.tensor([sum(hits), len(hits), passk], dtype=torch.float64)
+    if world > 1:
+        sums = sums.to(device if device is not None else model.wte.weight.device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    correct, total, passk = sums.tolist()
+    total = int(total)
+    out = {"correct": correct if num_samples > 1 else int(correct), "total": total,
+           "accuracy": correct / total if total else 0.0, "ci95": list(wilson_interval(correct, total)),
+           "chance": CHANCE.get(name, 0.0)}
+    if num_samples > 1 and name not in CATEGORICAL:
+        out[f"pass@{num_samples}"] = passk / total if total else 0.0
+    if rank == 0 and example is not None:
+        out["example"] = {"prompt": example[0][:500], "reply": example[1][:500]}
+    return out
+
+
+def centred(accuracy, chance):
+    """(accuracy - chance) / (1 - chance): 0 at chance, 1 at perfect."""
+    return (accuracy - chance) / (1.0 - chance)
+
+
+def chatcore(results):
+    """ChatCORE of {task: {"accuracy", ...}} (see the module docstring): the mean centred accuracy of the five
+    benchmarks, or None unless all five are in `results`."""
+    if not all(name in results for name in BENCHMARKS):
+        return None
+    return sum(centred(results[n]["accuracy"], CHANCE[n]) for n in BENCHMARKS) / len(BENCHMARKS)
