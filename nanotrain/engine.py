@@ -8,8 +8,8 @@ of similar lengths share a cache). Prompts of one length are prefilled together 
 several lengths the cache then keeps one length per row (nanotrain.attention.KVCache's per-row mode): every decode step
 feeds one token per row, which sits at its row's own position (rotary, smear), is written at its row's own slot and
 attends to its row's own tokens only (a boolean mask; no padding). So with greedy decoding every row gets the tokens
-it would get alone (up to floating-point reduction order: the logits agree to ~1e-6 in fp32, and a near-tie
-argmax could in principle flip). A cache whose prompts all have one length stays uniform (one position, no mask).
+it would get alone (up to floating-point reduction order: in fp32 the logits agree to ~1e-6 relative, as the
+one-prompt cache agrees with the full forward, and only a near-tie argmax could flip). A cache whose prompts all have one length stays uniform (one position, no mask).
 
 The tool (tool=True): each row is a small state machine. When the model closes a python block
 (<|python_start|> expr <|python_end|>), nanotrain.calculator.calculate(expr) runs and, if it gives a result, the
