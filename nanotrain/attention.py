@@ -30,11 +30,12 @@ def apply_rotary_emb(x, cos, sin):
 
 class Segments(NamedTuple):
     """
-    The layout of packed rows, from segment_info(). positions: int64 (B, T), each token's position inside its own
-    segment (0 at a segment's first token). mask: bool (B, 1, T, T), True where query t may attend to key s (same
-    segment and s <= t), for SDPA; None on the flash-attn path. cu_seqlens: int32 (num_segments + 1,), the start
-    offsets of the segments in the flattened (B*T) tokens followed by B*T, for flash_attn_varlen_func; None on the
-    SDPA path. max_seqlen: the longest segment in tokens (int; 0 on the SDPA path).
+    The layout of packed rows, from segment_info(), or of the rows of a per-row KVCache, from KVCache.segments().
+    positions: int64 (B, T), each token's position inside its own segment (0 at a segment's first token). mask: bool
+    (B, 1, T, Tk), True where query t may attend to key s, for SDPA (packed rows: Tk = T, same segment and s <= t; a
+    per-row cache: Tk = the cache's keys, s <= the query's position); None on the flash-attn path. cu_seqlens: int32
+    (num_segments + 1,), the start offsets of the segments in the flattened (B*T) tokens followed by B*T, for
+    flash_attn_varlen_func; None on the SDPA path. max_seqlen: the longest segment in tokens (int; 0 on the SDPA path).
     """
     positions: torch.Tensor
     mask: torch.Tensor | None
@@ -70,9 +71,15 @@ def segment_info(doc_ids, varlen=False):
 class KVCache:
     """
     Preallocated keys/values for generation. k_cache, v_cache: (n_layer, batch_size, n_kv_head, max_len, head_dim)
-    of `dtype` on `device`; `pos` is the number of tokens already stored. A forward with the cache inserts its T new
-    tokens at `pos` in every layer and `pos` advances by T after the last layer. prev_embedding: the last token's
-    normed embedding (B, 1, model_dim) of the previous forward, or None; GPT.smear reads and sets it.
+    of `dtype` on `device`; prev_embedding: the last token's normed embedding (B, 1, model_dim) of each row, or None;
+    GPT.smear reads and sets it. Two modes:
+    - uniform (lengths None, the default): every row holds `pos` tokens. A forward with the cache inserts its T new
+      tokens at `pos` in every layer and `pos` advances by T after the last layer.
+    - per row (after set_rows; mixed-length generation): lengths, int64 (B,) on `device`, is each row's own number of
+      tokens and `pos` the largest of them (the key slots in use). A forward inserts row r's T new tokens at
+      lengths[r].., each at rotary position lengths[r] + t, attending to its own slots 0..lengths[r] + t only
+      (segments() gives those positions and masks); lengths and pos advance by T after the last layer. Slots past a
+      row's length hold stale values, always masked out.
     """
 
     def __init__(self, batch_size, n_kv_head, head_dim, n_layer, max_len, device, dtype):
@@ -80,26 +87,72 @@ class KVCache:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.n_layer, self.max_len, self.pos = n_layer, max_len, 0
+        self.lengths = None
         self.prev_embedding = None
 
     def reset(self):
-        """Forgets the stored tokens (the memory is reused)."""
+        """Forgets the stored tokens (the memory is reused) and goes back to the uniform mode."""
         self.pos = 0
+        self.lengths = None
         self.prev_embedding = None
+
+    def rows(self, lo, hi):
+        """
+        A uniform, empty KVCache over rows lo..hi-1 of this one, sharing its memory: a forward with it (e.g. the
+        prefill of prompts of one length) writes those rows here. Record what it holds with set_rows(lo, sub).
+        """
+        sub = KVCache.__new__(KVCache)
+        sub.k_cache, sub.v_cache = self.k_cache[:, lo:hi], self.v_cache[:, lo:hi]
+        sub.n_layer, sub.max_len, sub.pos, sub.lengths, sub.prev_embedding = self.n_layer, self.max_len, 0, None, None
+        return sub
+
+    def set_rows(self, lo, sub):
+        """
+        Switches to the per-row mode (all rows at length 0 first) and records `sub` (a uniform cache from
+        rows(lo, hi), filled): rows lo..hi-1 hold sub.pos tokens each and sub's prev_embedding.
+        """
+        B = self.k_cache.size(1)
+        if self.lengths is None:
+            self.lengths = torch.zeros(B, dtype=torch.long, device=self.k_cache.device)
+        hi = lo + sub.k_cache.size(1)
+        self.lengths[lo:hi] = sub.pos
+        self.pos = max(self.pos, sub.pos)
+        if sub.prev_embedding is not None:
+            if self.prev_embedding is None:
+                self.prev_embedding = sub.prev_embedding.new_zeros(B, *sub.prev_embedding.shape[1:])
+            self.prev_embedding[lo:hi] = sub.prev_embedding
+
+    def segments(self, T):
+        """
+        Per-row mode: the Segments of a forward of T tokens per row. positions int64 (B, T): lengths[r] + t; mask
+        bool (B, 1, T, pos + T): query t of row r sees the key slots s <= lengths[r] + t of its row.
+        """
+        positions = self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+        keys = torch.arange(self.pos + T, device=self.lengths.device)
+        return Segments(positions, (keys <= positions[:, :, None])[:, None], None, 0)
 
     def insert_kv(self, layer_idx, k, v):
         """
-        Stores k, v (B, n_kv_head, T, head_dim) at positions pos..pos+T-1 of layer `layer_idx` and returns that layer's
-        keys and values for positions 0..pos+T-1, each (B, n_kv_head, pos+T, head_dim) in the cache dtype.
-        Raises ValueError when the cache would overflow max_len.
+        Stores k, v (B, n_kv_head, T, head_dim) of layer `layer_idx` at slots pos..pos+T-1 (uniform mode), or row
+        r's at lengths[r]..lengths[r]+T-1 (per-row mode), and returns that layer's keys and values for slots
+        0..pos+T-1, each (B, n_kv_head, pos+T, head_dim) in the cache dtype (per-row mode: mask them with
+        segments(T)). Raises ValueError when the cache would overflow max_len.
         """
         t0, t1 = self.pos, self.pos + k.size(2)
         if t1 > self.max_len:
             raise ValueError(f"KVCache overflow: {t1} tokens > max_len {self.max_len}")
-        self.k_cache[layer_idx, :, :, t0:t1] = k
-        self.v_cache[layer_idx, :, :, t0:t1] = v
+        if self.lengths is None:
+            self.k_cache[layer_idx, :, :, t0:t1] = k
+            self.v_cache[layer_idx, :, :, t0:t1] = v
+        else:  # row r's token t to slot lengths[r] + t: (B, T) indices, the head dim between them -> (B, T, H, D)
+            slots = self.lengths[:, None] + torch.arange(k.size(2), device=k.device)
+            rows = torch.arange(k.size(0), device=k.device)[:, None]
+            self.k_cache[layer_idx][rows, :, slots] = k.transpose(1, 2).to(self.k_cache.dtype)
+            self.v_cache[layer_idx][rows, :, slots] = v.transpose(1, 2).to(self.v_cache.dtype)
         if layer_idx == self.n_layer - 1:
             self.pos = t1
+            if self.lengths is not None:
+                self.lengths += k.size(2)
         return self.k_cache[layer_idx, :, :, :t1], self.v_cache[layer_idx, :, :, :t1]
 
 
@@ -112,7 +165,8 @@ def attention(q, k, v, layer_idx, kv_cache=None, segments=None):
     - packed rows otherwise: SDPA with the block-diagonal causal boolean mask of `segments`;
     - plain causal rows otherwise: SDPA is_causal;
     - with a KVCache: k, v are stored at the cache position of layer `layer_idx`, then SDPA over the whole prefix
-      (prefill from position 0: causal; one decode token: no mask; a chunk at pos > 0: causal within the chunk).
+      (prefill from position 0: causal; one decode token: no mask; a chunk at pos > 0: causal within the chunk;
+      a per-row cache, segments from kv_cache.segments(): the explicit boolean mask of segments).
     Returns y (B, T, n_head, head_dim) in q's dtype.
     """
     B, T, n_head, head_dim = q.shape
@@ -126,19 +180,21 @@ def attention(q, k, v, layer_idx, kv_cache=None, segments=None):
         return flash_attn_func(q, k, v, causal=True)  # (B, T, H, D) layout, GQA handled natively
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # SDPA's (B, H, T, D) layout
     gqa = k.size(1) != n_head
-    if segments is not None:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, enable_gqa=gqa)
-    elif kv_cache is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    else:
+    if kv_cache is not None:
         k, v = kv_cache.insert_kv(layer_idx, k, v)
         k, v = k.to(q.dtype), v.to(q.dtype)
         Tq, Tk = q.size(2), k.size(2)
-        if Tq == Tk:  # prefill from position 0: plain causal
+        if segments is not None:  # a per-row cache: each row sees its own slots up to its query's position
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, enable_gqa=gqa)
+        elif Tq == Tk:  # prefill from position 0: plain causal
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif Tq == 1:  # one decode token sees the whole prefix
             y = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         else:  # a chunk at pos > 0: the prefix is visible, causal within the chunk
             mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    elif segments is not None:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.mask, enable_gqa=gqa)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return y.transpose(1, 2)

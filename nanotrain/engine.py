@@ -3,8 +3,13 @@ Inference: generation with the KV cache for a batch of prompts (chat eval, the C
 <|assistant_end|> or <|bos|>, optionally with the calculator tool. After nanochat's engine.py (karpathy/nanochat).
 A model to generate with comes from nanotrain.checkpoint.load_model.
 
-Batching: prompts of the same length are prefilled and decoded together in one KV cache (nanotrain.gpt.KVCache keeps
-one position for all rows, so rows of different lengths would need left-padding and masks; grouping avoids both).
+Batching: prompts of any lengths are decoded together, up to max_batch per KV cache (sorted by length, so that rows
+of similar lengths share a cache). Prompts of one length are prefilled together into their rows of the cache; with
+several lengths the cache then keeps one length per row (nanotrain.attention.KVCache's per-row mode): every decode step
+feeds one token per row, which sits at its row's own position (rotary, smear), is written at its row's own slot and
+attends to its row's own tokens only (a boolean mask; no padding). So with greedy decoding every row gets the tokens
+it would get alone (up to floating-point reduction order: in fp32 the logits agree to ~1e-6 relative, as the
+one-prompt cache agrees with the full forward, and only a near-tie argmax could flip). A cache whose prompts all have one length stays uniform (one position, no mask).
 
 The tool (tool=True): each row is a small state machine. When the model closes a python block
 (<|python_start|> expr <|python_end|>), nanotrain.calculator.calculate(expr) runs and, if it gives a result, the
@@ -15,7 +20,7 @@ expression the calculator refuses forces nothing: the model goes on by itself. W
 sampled, exactly as without a tool.
 """
 
-from collections import defaultdict, deque
+from collections import deque
 
 import torch
 import torch.nn.functional as F
@@ -80,20 +85,26 @@ class Engine:
     @torch.inference_mode()
     def _columns(self, prompts, max_tokens, temperature, top_k, rng, choose=None):
         """
-        Yields the next token of every row (a list of B ints) for up to max_tokens steps. `prompts`: B lists of the same
-        length, prefilled together into one KVCache; then one forward of B tokens per step. choose(column), if given,
-        returns the tokens actually taken (the tool's forced ones in place of sampled ones): those are yielded and fed.
+        Yields the next token of every row (a list of B ints) for up to max_tokens steps. `prompts`: B lists of token
+        ids, of any lengths, one row each of one KVCache. Each run of consecutive prompts of one length is prefilled
+        together into its rows (the same computation as those prompts alone); when the lengths differ the cache is
+        per-row (KVCache.set_rows) and every row decodes at its own position. Then one forward of B tokens per step.
+        choose(column), if given, returns the tokens actually taken (the tool's forced ones in place of sampled ones):
+        those are yielded and fed.
         """
         model = self.model
         device = model.wte.weight.device
         autocast = torch.is_autocast_enabled(device.type)
         dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
         c = model.config
-        cache = KVCache(len(prompts), c.n_kv_head, model.head_dim, c.n_layer, len(prompts[0]) + max_tokens, device,
-                        dtype)
-        ids = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, T) int64
+        cache = KVCache(len(prompts), c.n_kv_head, model.head_dim, c.n_layer, max(map(len, prompts)) + max_tokens,
+                        device, dtype)
+        ids = None  # the tokens fed next, (B, 1) int64; None before the prefill
         for _ in range(max_tokens):
-            logits = model(ids, kv_cache=cache, last_only=True)[:, -1, :]  # (B, vocab_size) fp32
+            if ids is None:
+                logits = self._prefill(prompts, cache)
+            else:
+                logits = model(ids, kv_cache=cache, last_only=True)[:, -1, :]  # (B, vocab_size) fp32
             if temperature == 0:
                 ids = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -107,6 +118,26 @@ class Engine:
                 column = choose(column)
                 ids = torch.tensor(column, dtype=torch.long, device=device).view(-1, 1)
             yield column
+
+    def _prefill(self, prompts, cache):
+        """
+        Prefills the B `prompts` (lists of token ids) into the empty KVCache `cache` (batch size B), row r prompt r,
+        and returns the logits of every prompt's last token, fp32 (B, vocab_size). One length: one forward, the cache
+        stays uniform. Several: each run of consecutive prompts of one length is one forward into its rows
+        (KVCache.rows: the same computation as those prompts alone), and the cache becomes per-row (set_rows).
+        """
+        device = self.model.wte.weight.device
+        runs = [0] + [r for r in range(1, len(prompts)) if len(prompts[r]) != len(prompts[r - 1])] + [len(prompts)]
+        if len(runs) == 2:
+            ids = torch.tensor(prompts, dtype=torch.long, device=device)  # (B, T) int64
+            return self.model(ids, kv_cache=cache, last_only=True)[:, -1, :]
+        logits = []
+        for lo, hi in zip(runs[:-1], runs[1:]):
+            sub = cache.rows(lo, hi)
+            ids = torch.tensor(prompts[lo:hi], dtype=torch.long, device=device)
+            logits.append(self.model(ids, kv_cache=sub, last_only=True)[:, -1, :])
+            cache.set_rows(lo, sub)
+        return torch.cat(logits)
 
     def _rng(self, temperature, seed):
         device = self.model.wte.weight.device
@@ -138,34 +169,31 @@ class Engine:
         max_tokens; mask list[int] of the same length, 1 for a token the model sampled (the stop token included), 0
         for one the tool forced. temperature 0 is greedy (argmax), else sampling from softmax(logits / temperature)
         restricted to the top_k logits (top_k None or 0: all), with one torch.Generator seeded with `seed` for the
-        call. Prompts of equal length run together (up to max_batch per KV cache); with sampling, a row's tokens
-        therefore depend on the other prompts of the call (give each its own call for independent samples).
+        call. Prompts of any lengths run together, up to max_batch per KV cache (see the module docstring): with
+        greedy decoding each row's tokens are those of the prompt alone; with sampling, a row's tokens depend on the
+        other prompts of the call (they share the generator; give each its own call for independent samples).
         Raises UserError for an empty prompt, a negative temperature or max_tokens, or a prompt + max_tokens beyond
         the model's rotary table (10 * max_seq_len).
         """
         self._check(prompts, max_tokens, temperature)
         rng = self._rng(temperature, seed)
-        groups = defaultdict(list)
-        for i, p in enumerate(prompts):
-            groups[len(p)].append(i)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # stable: equal lengths keep their order
         out = [None] * len(prompts)
-        for length in sorted(groups):
-            idx = groups[length]
-            for lo in range(0, len(idx), max_batch):
-                rows = idx[lo:lo + max_batch]
-                done = [False] * len(rows)
-                results = [[] for _ in rows]
-                masks = [[] for _ in rows]  # every token's mask, also after a row is done (cut below)
-                choose = self._chooser(len(rows), tool, masks)
-                for column in self._columns([prompts[i] for i in rows], max_tokens, temperature, top_k, rng, choose):
-                    for r, tok in enumerate(column):
-                        if not done[r]:
-                            results[r].append(tok)
-                            done[r] = tok in self.stop_ids
-                    if all(done):
-                        break
-                for r, i in enumerate(rows):
-                    out[i] = (results[r], masks[r][:len(results[r])] if tool else [1] * len(results[r]))
+        for lo in range(0, len(order), max_batch):
+            rows = order[lo:lo + max_batch]
+            done = [False] * len(rows)
+            results = [[] for _ in rows]
+            masks = [[] for _ in rows]  # every token's mask, also after a row is done (cut below)
+            choose = self._chooser(len(rows), tool, masks)
+            for column in self._columns([prompts[i] for i in rows], max_tokens, temperature, top_k, rng, choose):
+                for r, tok in enumerate(column):
+                    if not done[r]:
+                        results[r].append(tok)
+                        done[r] = tok in self.stop_ids
+                if all(done):
+                    break
+            for r, i in enumerate(rows):
+                out[i] = (results[r], masks[r][:len(results[r])] if tool else [1] * len(results[r]))
         return out
 
     def generate(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH, tool=False):

@@ -311,9 +311,10 @@ class GPT(nn.Module):
         """
         x_t + smear_lambda * sigmoid(smear_gate(x_t[:12])) * x_{t-1} for every token t of x (B, T, model_dim), the
         normed embeddings: a cheap bigram-like feature (modded-nanogpt's and nanochat's "smear"). Nothing is added at
-        a row's first token, at the first token of a packed segment (segments), or at position 0 of a KV cache; a
-        decode step at position > 0 reads x_{t-1} from kv_cache.prev_embedding, and every call with a cache stores
-        its last token's x there, so cached generation equals the full forward. Returns a tensor like x.
+        a row's first token, at the first token of a packed segment (segments), or at position 0 of a KV cache (of a
+        row of a per-row cache: segments.positions 0); a call at position > 0 reads x_{t-1} of its first token from
+        kv_cache.prev_embedding (per row), and every call with a cache stores its last token's x there, so cached
+        generation equals the full forward. Returns a tensor like x.
         """
         prev = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)  # x_{t-1}; zero before the first token
         if kv_cache is not None:
@@ -335,13 +336,15 @@ class GPT(nn.Module):
         or "sum", (B*T,) for "none" (0 at ignored positions). "sum" over no counted target is 0 (not NaN); "mean"
         over none is NaN. The loss never materialises the logits: nanotrain.kernels.linear_cross_entropy computes
         head and loss loss_chunk_size tokens at a time (the attribute; None: chosen from the shapes). With kv_cache,
-        the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix.
+        the T tokens sit at positions kv_cache.pos.. and attend to the cached prefix; with a per-row cache
+        (kv_cache.lengths set, see KVCache), row r's tokens sit at positions kv_cache.lengths[r].. and attend to row
+        r's own prefix only (SDPA with a boolean mask), so rows of different lengths decode together.
         doc_ids: optional int (B, T) sequence id per token for packed rows (see segment_info): every run of equal
         consecutive ids is an independent sequence with positions from 0 that attends only to itself; the caller
         masks targets that would cross a boundary. Runs on flash-attn's varlen kernel on CUDA in bf16/fp16 when
         flash-attn is installed, else SDPA with an explicit boolean mask. Without doc_ids nothing changes.
         Raises ValueError past the rotary table (10 * max_seq_len; with doc_ids: a segment longer than it, the row may
-        be longer), or for doc_ids with a kv_cache or of another shape.
+        be longer; a per-row cache: its longest row), or for doc_ids with a kv_cache or of another shape.
         """
         B, T = idx.size()
         t0 = 0 if kv_cache is None else kv_cache.pos
@@ -349,7 +352,11 @@ class GPT(nn.Module):
         if doc_ids is None:
             if t0 + T > self.rotary_len:
                 raise ValueError(f"sequence end {t0 + T} exceeds the rotary table length {self.rotary_len}")
-            cos_sin = self.cos[:, t0:t0 + T], self.sin[:, t0:t0 + T]
+            if kv_cache is not None and kv_cache.lengths is not None:  # per-row cache: each row at its own position
+                segments = kv_cache.segments(T)
+                cos_sin = self.cos[0, segments.positions], self.sin[0, segments.positions]  # (B, T, 1, D/2)
+            else:
+                cos_sin = self.cos[:, t0:t0 + T], self.sin[:, t0:t0 + T]
         else:
             if kv_cache is not None or doc_ids.shape != idx.shape:
                 raise ValueError(f"doc_ids must have idx's shape {tuple(idx.shape)} and no kv_cache, got "

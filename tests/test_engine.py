@@ -1,7 +1,8 @@
 """
 Tests of nanotrain/engine.py with real tiny models: KV-cache generation equals a no-cache argmax loop, batching does
-not mix rows, sampling is seeded, and generation stops at <|assistant_end|> / <|bos|> (on a model trained in-test to
-emit them).
+not mix rows, a batch of mixed-length prompts decodes exactly as each prompt alone (greedy, with and without the
+tool; per-step logits), sampling is seeded, and generation stops at <|assistant_end|> / <|bos|> (on a model trained
+in-test to emit them).
 """
 
 import pytest
@@ -52,6 +53,28 @@ def argmax_no_cache(model, prompt, max_tokens, stop_ids):
         seq.append(nxt)
         out.append(nxt)
     return out
+
+
+def train_on(tok, rows, steps):
+    """
+    A 1-layer GPT (model_dim 64, 2 heads, 64 positions, seed 0) trained in-test with AdamW (lr 1e-2) for `steps`
+    full-batch steps on `rows` (lists of token ids, right-padded with untrained 0s). Returns (the model in eval mode,
+    the loss of the last step: a 0-dim tensor).
+    """
+    n = max(map(len, rows))
+    data = torch.tensor([r + [0] * (n - len(r)) for r in rows])
+    targets = torch.tensor([r[1:] + [-1] * (n - len(r) + 1) for r in rows])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(max_seq_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2,
+                          model_dim=64))
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = model(data, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), loss.detach()
 
 
 def prompts_for(tok):
@@ -108,21 +131,8 @@ def test_stops_at_assistant_end_and_bos(tok):
     seq_a = [s["<|bos|>"], s["<|user_start|>"]] + tok.encode("hello") + [s["<|user_end|>"], s["<|assistant_start|>"]]
     seq_b = [s["<|bos|>"], s["<|user_start|>"]] + tok.encode("how are") + [s["<|user_end|>"], s["<|assistant_start|>"]]
     rows = [seq_a + ok + [s["<|assistant_end|>"]] + more, seq_b + ok + [s["<|bos|>"]] + more]
-    n = max(map(len, rows))
-    data = torch.tensor([r + [0] * (n - len(r)) for r in rows])
-    targets = torch.tensor([r[1:] + [-1] * (n - len(r) + 1) for r in rows])
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(max_seq_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2,
-                          model_dim=64))
-    model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(80):
-        loss = model(data, targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    model, loss = train_on(tok, rows, 80)
     assert loss.item() < 0.1  # the first user token is a coin flip between the rows: ~0.03 is the floor
-    model.eval()
     engine = Engine(model, tok)
     assert engine.generate([seq_a, seq_b], max_tokens=20) == [ok, ok]
     assert list(engine.generate_stream(seq_b, max_tokens=20)) == ok
@@ -237,8 +247,30 @@ def test_load_model_refuses_in_one_line_when_nothing_or_the_requested_step_is_un
     assert capsys.readouterr().err == "" and not (tmp_path / "marker").exists()
 
 
+@pytest.fixture(scope="module")
+def tool_model(tok):
+    """
+    The tool tests' model: trained in-test (train_on, 100 steps) on two scripted replies that call the tool, with a
+    WRONG tool output in its data (see the test below). Returns (s: special token name -> id, prompt_a, prompt_b,
+    reply(expr, out) -> the scripted reply's ids, the model).
+    """
+    s = {n: tok.encode_special(n) for n in tok.get_special_tokens()}
+    head = [s["<|bos|>"], s["<|user_start|>"]]
+    prompt_a = head + tok.encode("hello") + [s["<|user_end|>"], s["<|assistant_start|>"]]
+    prompt_b = head + tok.encode("there") + [s["<|user_end|>"], s["<|assistant_start|>"]]
+    prompt_a = prompt_a[:2] + [5] + prompt_a[2:]  # the same length as prompt_b: one batch, one KV cache
+
+    def reply(expr, out):
+        return (tok.encode(" it is ") + [s["<|python_start|>"]] + tok.encode(expr) + [s["<|python_end|>"],
+                s["<|output_start|>"]] + tok.encode(out) + [s["<|output_end|>"]] + tok.encode(" ok"))
+    rows = [prompt_a + reply("2 + 3", "7") + [s["<|assistant_end|>"]],
+            prompt_b + reply("2 ** 3", "9") + [s["<|assistant_end|>"]]]
+    model, _ = train_on(tok, rows, 100)
+    return s, prompt_a, prompt_b, reply, model
+
+
 @pytest.mark.unit
-def test_the_tool_forces_the_calculator_output_with_mask_0(tok):
+def test_the_tool_forces_the_calculator_output_with_mask_0(tok, tool_model):
     """
     A model trained in-test on two scripted replies that call the tool, with a WRONG tool output in its data:
       row a: " it is " <python_start> "2 + 3" <python_end> <output_start> "7" <output_end> " ok" <assistant_end>
@@ -250,32 +282,8 @@ def test_the_tool_forces_the_calculator_output_with_mask_0(tok):
     Catches forcing one token late or early, forcing into the wrong row, masks of 1 on forced tokens, a cache that
     still holds the sampled token, and a tool that changes generation when it has nothing to say.
     """
-    s = {n: tok.encode_special(n) for n in tok.get_special_tokens()}
-    head = [s["<|bos|>"], s["<|user_start|>"]]
-    prompt_a = head + tok.encode("hello") + [s["<|user_end|>"], s["<|assistant_start|>"]]
-    prompt_b = head + tok.encode("there") + [s["<|user_end|>"], s["<|assistant_start|>"]]
-    prompt_a = prompt_a[:2] + [5] + prompt_a[2:]  # the same length as prompt_b: one batch, one KV cache
+    s, prompt_a, prompt_b, reply, model = tool_model
     assert len(prompt_a) == len(prompt_b)
-
-    def reply(expr, out):
-        return (tok.encode(" it is ") + [s["<|python_start|>"]] + tok.encode(expr) + [s["<|python_end|>"],
-                s["<|output_start|>"]] + tok.encode(out) + [s["<|output_end|>"]] + tok.encode(" ok"))
-    rows = [prompt_a + reply("2 + 3", "7") + [s["<|assistant_end|>"]],
-            prompt_b + reply("2 ** 3", "9") + [s["<|assistant_end|>"]]]
-    n = max(map(len, rows))
-    data = torch.tensor([r + [0] * (n - len(r)) for r in rows])
-    targets = torch.tensor([r[1:] + [-1] * (n - len(r) + 1) for r in rows])
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(max_seq_len=64, vocab_size=tok.get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2,
-                          model_dim=64))
-    model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(100):
-        loss = model(data, targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
     engine = Engine(model, tok)
     stop = {s["<|assistant_end|>"], s["<|bos|>"]}
     # tool off: the model's own greedy text, the wrong outputs it was trained on
@@ -293,3 +301,97 @@ def test_the_tool_forces_the_calculator_output_with_mask_0(tok):
     assert ids_b == off[1] + [s["<|assistant_end|>"]] and mask_b == [1] * len(ids_b)
     assert list(engine.generate_stream(prompt_a, 30, tool=True)) == engine.generate([prompt_a], 30, tool=True)[0]
     assert engine.generate([prompt_a], 30, tool=True)[0] == [t for t in ids_a if t not in stop]
+
+
+# ----------------------------------------------------------------------------- mixed-length batches
+
+LENGTHS = (1, 3, 7, 12, 20)
+
+
+def smear_model(tok, seed):
+    """random_model with smear on (and value embeddings, GQA): every per-row path of the cache matters."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(max_seq_len=32, vocab_size=tok.get_vocab_size(), n_layer=2, n_head=2, n_kv_head=1,
+                          model_dim=32, smear=True))
+    model.init_weights()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def random_prompts(seed, lengths):
+    """Prompts of the given lengths, random byte tokens (never a stop token), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.unit
+def test_mixed_length_batch_equals_one_prompt_at_a_time(tok):
+    """
+    Prompts of lengths 1, 3, 7, 12, 20 (two of length 7, not adjacent) in one batch, greedy, on random models with
+    smear, value embeddings and GQA (3 seeds, 3 orders, max_batch 64 and 2): every row's tokens equal the prompt's
+    alone (one row, a uniform cache), token for token. Catches one rotary offset for all rows (the longest row's
+    position), new keys written at one shared slot instead of each row's own, keys past a row's length not masked
+    (the stale or zero slots a shorter row has not filled: what left padding without masking the pads does), smear
+    reading another row's previous embedding or none in decode, and results put back in the wrong prompt order.
+    """
+    for seed in range(3):
+        engine = Engine(smear_model(tok, seed), tok)
+        prompts = random_prompts(seed, LENGTHS + (7,))
+        alone = [engine.sample([p], max_tokens=24)[0] for p in prompts]
+        assert sum(len(ids) for ids, _ in alone) > 60  # the rows decode for a while (not all stopped at once)
+        for order in (range(6), [5, 0, 4, 1, 3, 2], range(5, -1, -1)):
+            got = engine.sample([prompts[i] for i in order], max_tokens=24)
+            assert got == [alone[i] for i in order], (seed, list(order))
+        assert engine.sample(prompts, max_tokens=24, max_batch=2) == alone
+
+
+@pytest.mark.unit
+def test_mixed_length_batch_with_the_tool_equals_one_prompt_at_a_time(tok, tool_model):
+    """
+    On the tool tests' trained model, with tool=True: rows of 4 different lengths, two of which call the tool at
+    different steps (prompt_a, and prompt_a followed by " it is ", which reaches <python_end> 3 tokens sooner) and
+    one whose expression the calculator refuses, in two orders: (ids, mask) of every row equal the prompt's alone.
+    Catches forced (and sampled) tokens fed at one position for all rows (one rotary offset, one shared write slot,
+    lengths that do not advance) and per-row tool states mixed up by the sort by length.
+    """
+    s, prompt_a, prompt_b, reply, model = tool_model
+    engine = Engine(model, tok)
+    prompts = [prompt_a, prompt_b[:4], prompt_a + tok.encode(" it is "), prompt_b + [5]]
+    assert len({len(p) for p in prompts}) == 4
+    alone = [engine.sample([p], max_tokens=24, tool=True)[0] for p in prompts]
+    forced_at = [mask.index(0) for _, mask in alone if 0 in mask]
+    assert len(set(forced_at)) == 2  # two rows call the tool, at different steps
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
+        assert engine.sample([prompts[i] for i in order], max_tokens=24, tool=True) == [alone[i] for i in order]
+
+
+@pytest.mark.unit
+def test_mixed_length_logits_equal_the_full_forward_of_each_row(tok):
+    """
+    Every step's logits of every row of one mixed-length cache (prompt lengths 7, 1, 12, 12, 7, 20, 3: a length in
+    two runs, a run of two rows prefilled together) equal the no-cache forward of that row's own tokens alone (prompt + generated) at that position,
+    to atol 1e-5 + rtol 1.3e-6 (torch's fp32 defaults: logits reach ~10 here, and the one-prompt cache already
+    differs from the full forward by up to ~1.2e-5 on such models, from reduction order). Catches what token
+    equality could miss by luck: a slightly wrong rotary position (off by one for some rows), a mask that lets a row
+    see one stale slot, a smear of the wrong token or row; and (each row's tokens must be the argmax of its own
+    full-forward logits) prefill logits returned for the wrong rows.
+    """
+    model = smear_model(tok, 7)
+    engine = Engine(model, tok)
+    prompts = random_prompts(7, (7, 1, 12, 12, 7, 20, 3))
+    outs = []
+    hook = model.register_forward_hook(lambda m, args, out: outs.append(out[:, -1]))
+    try:
+        columns = list(engine._columns(prompts, 16, 0.0, None, None))
+    finally:
+        hook.remove()
+    steps = [torch.cat(outs[:len(outs) - 15])] + outs[len(outs) - 15:]  # the prefill's forwards, then 15 decodes
+    assert len(steps) == 16 and all(x.shape == (7, tok.get_vocab_size()) for x in steps)
+    with torch.no_grad():
+        for r, p in enumerate(prompts):
+            seq = p + [col[r] for col in columns]
+            full = model(torch.tensor([seq]))[0, len(p) - 1:len(seq) - 1]  # (16, vocab_size)
+            torch.testing.assert_close(torch.stack([x[r] for x in steps]), full, atol=1e-5, rtol=1.3e-6)
+            assert seq[len(p):] == full.argmax(dim=-1).tolist()
