@@ -17,6 +17,7 @@ import re
 import urllib.parse
 import urllib.request
 
+from nanotrain.benchmarks import load_training_source
 from nanotrain.common import UserError, get_base_dir, print0
 from nanotrain.dataset import _check_reachable  # the same fail-fast TCP check as the fineweb-edu download
 from nanotrain.gsm8k import HUB_NAME as GSM8K_HUB
@@ -174,36 +175,39 @@ def load_hf(name_or_path, split, skip_bad_rows=None):
 
 # ----------------------------------------------------------------------------- mixtures
 
+HUB_SOURCES = ("gsm8k", "arc", "mmlu_aux", "smoltalk")  # named hub sources: NAME (the hub) or NAME:PATH (a local copy)
+
+
 def parse_task_spec(spec):
     """
-    Parses a task mixture spec into [(kind, arg, weight)]: comma-separated parts "arith", "spell", "identity",
-    "gsm8k" (GSM8K from the hub, nanotrain.gsm8k), "jsonl:PATH", "hf:NAME_OR_PATH" or "gsm8k:PATH" (a local copy of
-    GSM8K), each optionally followed by ":WEIGHT" (a number > 0, default 1), e.g.
-    "arith:1,spell:1,identity:2,jsonl:/data/chat.jsonl:1,hf:HuggingFaceTB/smol-smoltalk:0.5". kind is the task name,
-    "gsm8k", "jsonl" or "hf"; arg is the path/name (None for built-ins and the hub's GSM8K). Paths may not contain
-    ','.
+    Parses a task mixture spec into [(kind, arg, weight)]: comma-separated parts "arith", "spell", "identity", the
+    named hub sources "gsm8k" (nanotrain.gsm8k), "arc", "mmlu_aux", "smoltalk" (nanotrain.benchmarks; NAME:PATH reads
+    a local copy of the hub's files instead), "jsonl:PATH" or "hf:NAME_OR_PATH", each optionally followed by
+    ":WEIGHT" (a number > 0, default 1), e.g. "smoltalk:1,mmlu_aux:1,gsm8k:2,identity:2,jsonl:/data/chat.jsonl:1".
+    kind is the task or source name, "jsonl" or "hf"; arg is the path/name (None for built-ins and the hub's named
+    sources). Paths may not contain ','.
     Raises UserError naming the bad part.
     """
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"task mixture {spec!r}: expected comma-separated parts like 'arith:1,spell:1,identity:2'")
     out = []
+    number = r"[0-9.eE+-]+"
     for part in (p.strip() for p in spec.split(",")):
-        expected = (f"expected NAME[:WEIGHT] with NAME one of {', '.join(BUILTIN_TASKS)}, gsm8k, "
-                    f"or jsonl:PATH[:WEIGHT], hf:NAME_OR_PATH[:WEIGHT] or gsm8k:PATH[:WEIGHT], and WEIGHT a number > 0")
-        if part.startswith("gsm8k:") and not re.fullmatch(r"gsm8k:[0-9.eE+-]+", part):  # gsm8k:PATH[:WEIGHT]
-            rest = part.split(":", 1)[1]
+        expected = (f"expected NAME[:WEIGHT] with NAME one of {', '.join(BUILTIN_TASKS + HUB_SOURCES)}, or "
+                    f"{'|'.join(HUB_SOURCES)}:PATH[:WEIGHT], jsonl:PATH[:WEIGHT] or hf:NAME_OR_PATH[:WEIGHT], and "
+                    f"WEIGHT a number > 0")
+        kind, _, rest = part.partition(":")
+        if kind in HUB_SOURCES and rest and not re.fullmatch(number, rest):  # NAME:PATH[:WEIGHT]
             head, sep, tail = rest.rpartition(":")
-            kind, (arg, raw) = "gsm8k", (head, tail) if sep and re.fullmatch(r"[0-9.eE+-]+", tail) else (rest, "1")
-        elif part.startswith(("jsonl:", "hf:")):
-            kind, rest = part.split(":", 1)
+            arg, raw = (head, tail) if sep and re.fullmatch(number, tail) else (rest, "1")
+        elif kind in ("jsonl", "hf"):
             head, sep, tail = rest.rpartition(":")
-            arg, raw = (head, tail) if sep and re.fullmatch(r"[0-9.eE+-]+", tail) else (rest, "1")
+            arg, raw = (head, tail) if sep and re.fullmatch(number, tail) else (rest, "1")
             if not arg:
                 raise UserError(f"task mixture part {part!r}: missing the {kind} path or name; {expected}")
         else:
-            kind, _, raw = part.partition(":")
-            raw, arg = raw or "1", None
-            if kind not in BUILTIN_TASKS + ("gsm8k",):
+            raw, arg = rest or "1", None
+            if kind not in BUILTIN_TASKS + HUB_SOURCES:
                 raise UserError(f"task mixture part {part!r}: unknown task {kind!r}; {expected}")
         try:
             weight = float(raw)
@@ -237,6 +241,8 @@ def load_task_mixture(spec, split, seed=0, skip_bad_rows=None):
             rows, skipped = load_hf(arg, split, skip_bad_rows)
         elif kind == "gsm8k":
             rows, skipped = load_gsm8k(split, arg or GSM8K_HUB), 0
+        elif kind in HUB_SOURCES:
+            rows, skipped = load_training_source(kind, split, arg or "hub")[0], 0  # bad rows: one warning line there
         else:
             rows, skipped = load_task(kind, split, seed), 0
         if skipped:

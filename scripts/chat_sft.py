@@ -30,6 +30,8 @@ import torch
 
 from nanotrain.autobatch.builders import sft_builder
 from nanotrain.autobatch.search import discover_device_batch_size
+from nanotrain.benchmarks import BENCHMARKS, load_benchmark
+from nanotrain.chat_metrics import chatcore, score_task
 from nanotrain.checkpoint import (
     check_resume,
     find_run_dir,
@@ -51,8 +53,9 @@ from nanotrain.common import (
     set_rng_state,
     synchronize,
 )
-from nanotrain.configurator import configure
+from nanotrain.configurator import configure, ints
 from nanotrain.conversations import load_task_mixture
+from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.osft import setup_osft
@@ -82,7 +85,7 @@ run_name = ""  # outputs go to <base_dir>/sft/<run_name>; "" means the source ru
 source = "mid"  # the stage to start from: mid | base | sft (mid falls back to base when there is no mid checkpoint;
 # sft: a second SFT on new skills from an SFT run, which needs its own --run_name)
 source_run_name = ""  # the run of that stage; "" picks the one with the newest checkpoint
-tasks = "arith:1,spell:1,identity:2"  # task mixture: NAME[:WEIGHT] of arith, spell, identity, jsonl:PATH, hf:NAME
+tasks = "arith:1,spell:1,identity:2"  # task mixture: NAME[:WEIGHT] of arith, spell, identity, gsm8k, arc, mmlu_aux, smoltalk (NAME:PATH: a local copy), jsonl:PATH, hf:NAME
 jsonl = ""  # an extra JSONL file of conversations ({"messages": [...]} per line; every 20th line is held out for val)
 skip_bad_rows = False  # skip (and count) malformed JSONL lines instead of stopping at the first one
 device_type = ""  # cuda | mps | cpu; "" autodetects
@@ -114,6 +117,9 @@ warmdown_ratio = 1.0  # [0, 1]: fraction of the steps at the end with a linear l
 eval_every = 100  # -1 or >= 1: steps between validation losses on held-out conversations
 eval_examples = 400  # >= 0: validation conversations per evaluation (the first ones of the val mixture)
 sample_every = -1  # -1 or >= 1: steps between greedy answers to a few validation questions (rank 0)
+chatcore_every = -1  # -1 or >= 1: steps between a small ChatCORE (the five chat benchmarks, all ranks), also at the end
+chatcore_max_problems = 24  # >= 1: problems per benchmark of the in-loop ChatCORE (the first ones, nanochat's order)
+chatcore_data = "auto"  # the benchmarks' test sets: auto (the hub if reachable, else pinned) | hub | pinned | a folder
 save_every = 500  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
 wandb_project = ""  # log metrics.jsonl's rows to this Weights & Biases project too (rank 0); "" is off
@@ -127,7 +133,8 @@ osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of ea
 osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head
 config = configure(globals(), none_types={"num_iterations": (int,), "max_tokens_per_device": (int,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,),
-                                          "max_seq_len": (int,), "compile": (bool,)})
+                                          "max_seq_len": (int,), "compile": (bool,)},
+                   rules={"chatcore_max_problems": ints(1)})
 # -----------------------------------------------------------------------------
 
 RESUME_KEYS = ("tasks", "jsonl", "skip_bad_rows", "seed", "examples_per_step", "max_seq_len", "long_conversations",
@@ -232,6 +239,11 @@ def main():
     if not train:
         raise UserError(f"--tasks={spec!r}: no training conversation left (after --long_conversations="
                         f"{long_conversations} at {max_len} tokens)")
+    chatcore_sets = {}  # the in-loop ChatCORE's problems: the first chatcore_max_problems of each benchmark
+    if chatcore_every > 0:
+        for name in BENCHMARKS:
+            convs = rank0_first(lambda name=name: load_benchmark(name, chatcore_data), device)[0]
+            chatcore_sets[name] = convs[:chatcore_max_problems]
     sampler = ConversationSampler(len(train), seed=seed)
     if ckpt is not None:
         sampler.load_state_dict(ckpt["rank_state"]["sampler"])
@@ -325,6 +337,18 @@ def main():
                 continue
             print0(f"step {step:05d}/{total_steps:05d} | val loss {val_loss:.6f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_loss=val_loss)
+        # a small ChatCORE: the five benchmarks, chatcore_max_problems each, problems strided over ranks
+        if chatcore_sets and (last_step or step % chatcore_every == 0):
+            t0 = time.time()
+            engine = Engine(orig_model, tokenizer)
+            results = {name: score_task(orig_model, tokenizer, engine, name, convs, max_tokens=512,
+                                        autocast_ctx=autocast_ctx, device=device)
+                       for name, convs in chatcore_sets.items()}
+            score = chatcore(results)
+            print0(f"step {step:05d}/{total_steps:05d} | ChatCORE {score:.4f} | "
+                   + " ".join(f"{n} {r['accuracy']:.3f}" for n, r in results.items())
+                   + f" | {chatcore_max_problems} problems each | {time.time() - t0:.1f}s")
+            metrics.log(step=step, chatcore=score, **{f"chatcore_{n}": r["accuracy"] for n, r in results.items()})
         # greedy answers to a few validation questions
         if master and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
             engine = Engine(orig_model, tokenizer)

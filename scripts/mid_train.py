@@ -70,7 +70,7 @@ from nanotrain.training import (
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/mid/<run_name>; "" means the base run's name
 base_run_name = ""  # the base run to start from; "" picks the base run with the newest checkpoint
-tasks = "arith:1,spell:1,identity:4"  # task mixture: NAME[:WEIGHT] of arith, spell, identity, jsonl:PATH, hf:NAME
+tasks = "arith:1,spell:1,identity:4"  # task mixture: NAME[:WEIGHT] of arith, spell, identity, gsm8k, arc, mmlu_aux, smoltalk (NAME:PATH: a local copy), jsonl:PATH, hf:NAME
 device_type = ""  # cuda | mps | cpu; "" autodetects
 seed = 42  # int: seed of the task generation and of the data order
 # batch (None: the base checkpoint's value)

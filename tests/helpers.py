@@ -150,3 +150,28 @@ def spawn_ranks(worker, args, nprocs=2, timeout_s=90):
             for p in ctx.processes:
                 p.terminate()
             pytest.fail(f"{nprocs}-rank run timed out after {timeout_s} s")
+
+
+def write_benchmark_copy(folder):
+    """A local copy of the five chat benchmarks in the hub's layout (nanotrain.benchmarks.HUB), 3 rows each:
+    ARC-Easy/ARC-Challenge as parquet, MMLU as JSONL, GSM8K as parquet, HumanEval as parquet. Returns the folder."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    arc = [{"id": f"q{i}", "question": f"Which number is {i}?", "answerKey": "ABC"[i],
+            "choices": {"text": ["0", "1", "2"], "label": ["A", "B", "C"]}} for i in range(3)]
+    mmlu = [{"question": f"Pick {c}.", "subject": "misc", "choices": ["a", "b", "c", "d"], "answer": i}
+            for i, c in enumerate("abc")]
+    gsm = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = <<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
+           for i in range(3)]
+    code = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x + {i}.\"\"\"\n",
+             "canonical_solution": f"    return x + {i}\n", "entry_point": f"f{i}",
+             "test": f"def check(candidate):\n    assert candidate(1) == {1 + i}\n"} for i in range(3)]
+    for sub, rows in (("ARC-Easy", arc), ("ARC-Challenge", arc), ("main", gsm), ("openai_humaneval", code)):
+        os.makedirs(os.path.join(folder, sub), exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), os.path.join(folder, sub, "test-00000-of-00001.parquet"))
+    os.makedirs(os.path.join(folder, "all"), exist_ok=True)
+    with open(os.path.join(folder, "all", "test-00000-of-00001.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in mmlu))
+    return str(folder)

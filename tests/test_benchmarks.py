@@ -98,18 +98,37 @@ def test_loaders_read_the_hub_formats_in_nanochat_order(tmp_path, base_dir, caps
         load_benchmark("gsm8k", folder)  # no main/test-* files in the copy: one line saying what is needed
 
 
-def test_training_sources_from_a_local_copy(tmp_path, base_dir):
-    """mmlu_aux and arc train/val come from their hub splits (auxiliary_train/validation, train/validation) of a local
-    copy; a missing split is one line. Catches reading the test split for training."""
+def test_training_sources_from_a_local_copy(tmp_path, base_dir, capsys):
+    """mmlu_aux, arc and smoltalk through the mixture spec (NAME:PATH:WEIGHT) read their train splits
+    (auxiliary_train, train, train) and val splits (validation, validation, test) of a local copy; a weight of 2
+    doubles a source; a smoltalk row that is not a conversation is counted and named; a missing split is one line.
+    Catches reading the test split for training, and weights ignored for the named sources."""
+    from nanotrain.conversations import load_task_mixture, parse_task_spec
     folder = tmp_path / "copy"
-    os.makedirs(folder / "all")
-    pq.write_table(pa.Table.from_pylist(MMLU_ROWS[:2]), folder / "all" / "auxiliary_train-00000-of-00001.parquet")
-    pq.write_table(pa.Table.from_pylist(MMLU_ROWS[2:4]), folder / "all" / "validation-00000-of-00001.parquet")
-    train, _ = load_training_source("mmlu_aux", "train", str(folder))
-    val, _ = load_training_source("mmlu_aux", "val", str(folder))
-    assert sorted(c["answer"] for c in train) == ["A", "B"] and sorted(c["answer"] for c in val) == ["A", "D"]
-    assert all(c["task"] == "mmlu_aux" for c in train + val)
-    with pytest.raises(UserError, match="ARC-Easy/train"):
+    for sub, split, rows in (("all", "auxiliary_train", MMLU_ROWS[:2]), ("all", "validation", MMLU_ROWS[2:4]),
+                             ("ARC-Easy", "train", ARC_ROWS[:2]), ("ARC-Easy", "validation", ARC_ROWS[2:3]),
+                             ("ARC-Challenge", "train", ARC_ROWS[3:4]), ("ARC-Challenge", "validation", ARC_ROWS[3:4])):
+        os.makedirs(folder / sub, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), folder / sub / f"{split}-00000-of-00001.parquet")
+    chat = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello."}]},
+            {"messages": [{"role": "user", "content": "Only a question"}]}]
+    os.makedirs(folder / "data")
+    (folder / "data" / "train-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    (folder / "data" / "test-00000-of-00001.jsonl").write_text(json.dumps(chat[0]) + "\n")
+    assert parse_task_spec(f"mmlu_aux:{folder}:2,arc:{folder},smoltalk,identity:1") == [
+        ("mmlu_aux", str(folder), 2.0), ("arc", str(folder), 1.0), ("smoltalk", None, 1.0), ("identity", None, 1.0)]
+    train = load_task_mixture(f"mmlu_aux:{folder}:2,arc:{folder},smoltalk:{folder}", "train")
+    assert "1 of 2 rows cannot be rendered" in capsys.readouterr().out
+    tasks = [c["task"] for c in train]
+    assert tasks.count("mmlu_aux") == 4 and tasks.count("arc") == 3 and tasks.count("smoltalk") == 1
+    assert sorted(c["answer"] for c in train if c["task"] == "mmlu_aux") == ["A", "A", "B", "B"]
+    val = load_task_mixture(f"mmlu_aux:{folder}:2,arc:{folder},smoltalk:{folder}", "val")
+    assert sorted(c["answer"] for c in val if c["task"] == "mmlu_aux") == ["A", "D"]
+    assert sorted(c["answer"] for c in val if c["task"] == "arc") == ["C", "E"]
+    assert [c["messages"][0]["role"] for c in val if c["task"] == "smoltalk"] == ["system"]
+    os.remove(folder / "ARC-Challenge" / "train-00000-of-00001.parquet")
+    with pytest.raises(UserError, match="ARC-Challenge/train"):
         load_training_source("arc", "train", str(folder))
 
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, TINY_TRAIN, run_script
+from helpers import REPO, TINY_TRAIN, run_script, write_benchmark_copy
 
 pytestmark = pytest.mark.smoke
 
@@ -163,3 +163,27 @@ def test_malformed_jsonl_stops_with_file_and_line(chat_base, tmp_path):
     assert r.returncode != 0
     err = [line for line in r.stderr.strip().splitlines() if not line.startswith("Overriding: ")]
     assert len(err) == 1 and err[0].startswith(f"error: {jsonl}:3: "), r.stderr[-2000:]
+
+
+@pytest.mark.slow  # the default run keeps the ChatCORE arithmetic and the scoring (tests/test_benchmarks.py)
+def test_sft_in_loop_chatcore_equals_chat_eval(chat_base, tmp_path):
+    """
+    chat_sft --chatcore_every=1 logs ChatCORE and the five accuracies at steps 0, 1 and 2 (the end), on every rank's
+    share of the problems; the last row equals scripts/chat_eval.py --tasks=chatcore on the final checkpoint with the
+    same problems. Catches the in-loop evaluation scoring another model state (e.g. in train mode or before the last
+    update) or other problems than chat_eval's.
+    """
+    data = write_benchmark_copy(tmp_path / "bench")
+    r = run_script("chat_sft.py", *SFT, "--source=base", "--num_iterations=2", "--run_name=cc", "--eval_every=-1",
+                   "--chatcore_every=1", "--chatcore_max_problems=2", f"--chatcore_data={data}", base_dir=chat_base)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, rows = losses(chat_base, "sft", "cc")
+    cc = [row for row in rows if "chatcore" in row]
+    assert [row["step"] for row in cc] == [0, 1, 2] and "ChatCORE" in r.stdout
+    e = run_script("chat_eval.py", "--run_name=cc", "--tasks=chatcore", "--max_problems=2", f"--data={data}",
+                   base_dir=chat_base)
+    assert e.returncode == 0, e.stderr[-3000:]
+    saved = json.load(open(os.path.join(chat_base, "sft", "cc", "chat_eval.json")))
+    assert saved["chatcore"] == cc[-1]["chatcore"]
+    assert {n: saved["results"][n]["accuracy"] for n in saved["results"]} == \
+        {k[len("chatcore_"):]: v for k, v in cc[-1].items() if k.startswith("chatcore_")}
