@@ -377,3 +377,19 @@ def load_benchmark(name, source="auto"):
         rows = load_hub_rows(*HUB[name], source)
     convs, skipped = render_rows(name, rows, f"{name} test ({source})")
     return convs, skipped, source
+
+
+def main():
+    """`python -m nanotrain.benchmarks`: fetches the pinned test sets once (runs/cpu.sh does, before the chat eval) and
+    prints their row counts; one line and exit 2 when they cannot be had."""
+    folder = ensure_pinned()
+    counts = {}
+    for name in BENCHMARKS:
+        with open(os.path.join(folder, f"{name}.jsonl"), encoding="utf-8") as f:
+            counts[name] = sum(1 for _ in f)
+    print0("pinned chat benchmarks ready: " + ", ".join(f"{n} {c:,}" for n, c in counts.items()))
+
+
+if __name__ == "__main__":
+    from nanotrain.common import run_script
+    run_script(main)
