@@ -266,6 +266,7 @@ SUFFIX_RULES = (
     ("_lr", LEARNING_RATE),  # matrix_lr, embedding_lr, unembedding_lr, ...
     ("_frac", FRACTION),  # init_lr_frac, final_lr_frac: multipliers of the learning rates, in [0, 1]
     ("_every", EVERY),  # eval_every, sample_every, save_every
+    ("_max_problems", RULES["max_problems"]),  # chatcore_max_problems: problems per task, -1 means all
 )
 
 

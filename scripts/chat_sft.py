@@ -53,7 +53,7 @@ from nanotrain.common import (
     set_rng_state,
     synchronize,
 )
-from nanotrain.configurator import configure, ints
+from nanotrain.configurator import configure
 from nanotrain.conversations import load_task_mixture
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
@@ -118,7 +118,7 @@ eval_every = 100  # -1 or >= 1: steps between validation losses on held-out conv
 eval_examples = 400  # >= 0: validation conversations per evaluation (the first ones of the val mixture)
 sample_every = -1  # -1 or >= 1: steps between greedy answers to a few validation questions (rank 0)
 chatcore_every = -1  # -1 or >= 1: steps between a small ChatCORE (the five chat benchmarks, all ranks), also at the end
-chatcore_max_problems = 24  # >= 1: problems per benchmark of the in-loop ChatCORE (the first ones, nanochat's order)
+chatcore_max_problems = 24  # problems per benchmark of the in-loop ChatCORE (the first ones, nanochat's order); -1: all
 chatcore_data = "auto"  # the benchmarks' test sets: auto (the hub if reachable, else pinned) | hub | pinned | a folder
 save_every = 500  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
@@ -133,8 +133,7 @@ osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of ea
 osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head
 config = configure(globals(), none_types={"num_iterations": (int,), "max_tokens_per_device": (int,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,),
-                                          "max_seq_len": (int,), "compile": (bool,)},
-                   rules={"chatcore_max_problems": ints(1)})
+                                          "max_seq_len": (int,), "compile": (bool,)})
 # -----------------------------------------------------------------------------
 
 RESUME_KEYS = ("tasks", "jsonl", "skip_bad_rows", "seed", "examples_per_step", "max_seq_len", "long_conversations",
@@ -243,7 +242,7 @@ def main():
     if chatcore_every > 0:
         for name in BENCHMARKS:
             convs = rank0_first(lambda name=name: load_benchmark(name, chatcore_data), device)[0]
-            chatcore_sets[name] = convs[:chatcore_max_problems]
+            chatcore_sets[name] = convs[:chatcore_max_problems] if chatcore_max_problems > 0 else convs
     sampler = ConversationSampler(len(train), seed=seed)
     if ckpt is not None:
         sampler.load_state_dict(ckpt["rank_state"]["sampler"])
