@@ -317,3 +317,11 @@ def test_the_pinned_test_sets(pinned, byte_tokenizer):
         assert score_multiple_choice(oracle(byte_tokenizer, part), byte_tokenizer, part, 16) == \
             [c["answer"] for c in part]
         assert set(score_multiple_choice(oracle(byte_tokenizer, part, "A"), byte_tokenizer, part, 16)) == {"A"}
+
+
+def test_greedy_samples_are_refused(byte_tokenizer):
+    """num_samples > 1 at temperature 0 would score one greedy reply n times as n samples (a pass@k that is pass@1):
+    one UserError naming both settings."""
+    from nanotrain.chat_metrics import score_task
+    with pytest.raises(UserError, match="num_samples=4 with temperature=0"):
+        score_task(None, byte_tokenizer, None, "humaneval", [], num_samples=4, temperature=0.0)

@@ -221,21 +221,24 @@ def load_weights(run_dir, step):
     return torch.load(os.path.join(run_dir, "checkpoints", f"step_{step:06d}", "model.pt"), weights_only=True)
 
 
-def cell(nproc, accum, resumed):
-    """One (nproc, accum, resumed) cell of the matrix: 2 ranks are `dist`. The default run keeps 1 rank fresh with
-    accumulation 2, 2 ranks with accumulation 2 (fresh and resumed); the other cells are `slow` (CI runs them): a
-    resume on 1 rank is in the default run through test_resume.py (base_train) and test_chat_train.py (mid_train,
-    chat_sft), and accumulation 1 adds no path that accumulation 2 does not take, on 1 rank or 2."""
+def cell(script, nproc, accum, resumed):
+    """One (script, nproc, accum, resumed) cell of the matrix: 2 ranks are `dist`. The default run keeps 1 rank fresh
+    with accumulation 2 (mid_train, chat_sft), 2 ranks with accumulation 2 (fresh and resumed); the other cells are
+    `slow` (CI runs them): a resume on 1 rank is in the default run through test_resume.py (base_train) and
+    test_chat_train.py (mid_train, chat_sft), accumulation 1 adds no path that accumulation 2 does not take, on 1 rank
+    or 2, and base_train fresh on 1 rank with accumulation 2 is test_base_train.py's
+    test_trains_evaluates_saves_and_samples (the same tiny configuration: 2 micro-steps, checkpoint reloaded)."""
     marks = [pytest.mark.dist] if nproc == 2 else []
-    if (resumed and nproc == 1) or accum == 1:
+    if (resumed and nproc == 1) or accum == 1 or (script == "base_train" and nproc == 1):
         marks.append(pytest.mark.slow)
-    return pytest.param(nproc, accum, resumed, marks=marks,
-                        id=f"{nproc}rank{'s' if nproc > 1 else ''}-accum{accum}-{'resumed' if resumed else 'fresh'}")
+    return pytest.param(script, nproc, accum, resumed, marks=marks,
+                        id=f"{script}-{nproc}rank{'s' if nproc > 1 else ''}-accum{accum}-"
+                           f"{'resumed' if resumed else 'fresh'}")
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc,accum,resumed", [cell(n, a, r) for n in (1, 2) for a in (1, 2) for r in (False, True)])
-@pytest.mark.parametrize("script", list(STAGE))
+@pytest.mark.parametrize("script,nproc,accum,resumed", [cell(s, n, a, r) for n in (1, 2) for a in (1, 2)
+                                                         for r in (False, True) for s in STAGE])
 def test_cell(matrix, monkeypatch, script, nproc, accum, resumed):
     """
     One cell: exit 0; metrics.jsonl is strict JSON with the script's step and eval rows (check_schema); the run uses
@@ -300,8 +303,11 @@ def curves(run):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=[pytest.mark.slow, pytest.mark.dist])])
-@pytest.mark.parametrize("script", list(STAGE))
+@pytest.mark.parametrize("script,nproc", [
+    # slow: the 2-rank pairs, and base_train's 1-rank pair (the default run keeps test_training.py's accumulation test
+    # of the one step every stage shares, and mid_train's and chat_sft's pairs here end to end)
+    pytest.param(s, n, marks=[pytest.mark.slow] + ([pytest.mark.dist] if n == 2 else []), id=f"{s}-{n}")
+    if n == 2 or s == "base_train" else pytest.param(s, n, id=f"{s}-{n}") for n in (1, 2) for s in STAGE])
 def test_accumulation_and_ranks_do_not_change_the_run(matrix, script, nproc):
     """
     The fresh runs of the matrix that train on the same rows agree to fp32 roundoff (rtol 1e-5): accumulation 2
