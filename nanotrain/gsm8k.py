@@ -8,10 +8,9 @@ every answer is "#### N"; grade_gsm8k compares that number.
 Online only (the hub), or from a local copy of the hub's files. Training splits cannot be had offline here.
 """
 
-import os
 import re
 
-from nanotrain.common import UserError, get_base_dir
+from nanotrain.common import UserError
 
 HUB_NAME = "openai/gsm8k"
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
@@ -70,30 +69,15 @@ def load_gsm8k(split, source=HUB_NAME):
     Raises UserError (one line: what is needed) when the hub cannot be reached or the data cannot be loaded, and
     for a row that cannot be rendered (naming the split and row).
     """
-    import datasets  # here, not at the top: it loads many modules, needed only by gsm8k
-
-    from nanotrain.conversations import _hub_unreachable
+    from nanotrain.benchmarks import load_hub_rows  # here: benchmarks imports this module
     if split not in ("train", "val"):
         raise UserError(f"split={split!r}: expected 'train' or 'val'")
     hf_split = "train" if split == "train" else "test"
     need = (f"GSM8K needs the Hugging Face data set {HUB_NAME} (online, or cached with HF_HUB_OFFLINE=1) or a local "
             f"copy of its files: --tasks=gsm8k:/path/to/gsm8k (holding main/{hf_split}-*.parquet)")
-    if os.path.isdir(source):
-        files = os.path.join(source, "main", f"{hf_split}-*.parquet")
-        args = dict(path="parquet", data_files={hf_split: files})
-    elif source == HUB_NAME:
-        if _hub_unreachable(HUB_NAME) is not None:  # fails within seconds when offline
-            raise UserError(f"cannot reach the Hugging Face hub (offline?): {need}")
-        args = dict(path=HUB_NAME, name="main")
-    else:
-        raise UserError(f"gsm8k:{source}: no such directory; {need}")
-    try:
-        ds = datasets.load_dataset(**args, split=hf_split, cache_dir=os.path.join(get_base_dir(), "hf_datasets"))
-    except Exception as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"could not load GSM8K {hf_split} ({type(e).__name__}: {reason}); {need}") from None
+    rows = load_hub_rows(HUB_NAME, "main", hf_split, "hub" if source == HUB_NAME else source, need=need)
     out = []
-    for i, row in enumerate(ds):
+    for i, row in enumerate(rows):
         try:
             out.append(gsm8k_conversation(row["question"], row["answer"]))
         except (KeyError, TypeError, ValueError) as e:

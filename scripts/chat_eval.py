@@ -23,7 +23,7 @@ import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ct
 import os
 import time
 
-from nanotrain.benchmarks import BENCHMARKS, load_benchmark
+from nanotrain.benchmarks import BENCHMARKS, load_benchmark, resolve_source
 from nanotrain.chat_metrics import centred, chatcore, score_task
 from nanotrain.checkpoint import load_model
 from nanotrain.common import UserError, atomic_write_json, compute_cleanup, compute_init, print0, run_script
@@ -64,9 +64,10 @@ def main():
 
     # the problems: the benchmarks' test sets (fetched once, rank 0 first), the built-in tasks' val split, the JSONL
     problem_sets, skipped, used = [], {}, {}
+    data_source = resolve_source(data) if any(n in BENCHMARKS for n in names) else data  # the hub is asked once
     for name in names:
         if name in BENCHMARKS:
-            convs, bad, used[name] = rank0_first(lambda name=name: load_benchmark(name, data), device)
+            convs, bad, used[name] = rank0_first(lambda name=name: load_benchmark(name, data_source), device)
             skipped[name] = len(bad)
         else:
             convs = load_task(name, "val")

@@ -30,7 +30,7 @@ import torch
 
 from nanotrain.autobatch.builders import sft_builder
 from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.benchmarks import BENCHMARKS, load_benchmark
+from nanotrain.benchmarks import BENCHMARKS, load_benchmark, resolve_source
 from nanotrain.chat_metrics import chatcore, score_task
 from nanotrain.checkpoint import (
     check_resume,
@@ -240,8 +240,9 @@ def main():
                         f"{long_conversations} at {max_len} tokens)")
     chatcore_sets = {}  # the in-loop ChatCORE's problems: the first chatcore_max_problems of each benchmark
     if chatcore_every > 0:
+        data_source = resolve_source(chatcore_data)  # the hub is asked once
         for name in BENCHMARKS:
-            convs = rank0_first(lambda name=name: load_benchmark(name, chatcore_data), device)[0]
+            convs = rank0_first(lambda name=name: load_benchmark(name, data_source), device)[0]
             chatcore_sets[name] = convs[:chatcore_max_problems] if chatcore_max_problems > 0 else convs
     sampler = ConversationSampler(len(train), seed=seed)
     if ckpt is not None:
