@@ -38,16 +38,9 @@ import warnings
 import torch
 
 import nanotrain
-from nanotrain.common import (
-    UserError,
-    all_reduce_scalar,
-    atomic_write_json,
-    barrier,
-    get_base_dir,
-    git_commit,
-    print0,
-)
+from nanotrain.common import all_reduce_scalar, atomic_write_json, barrier, get_base_dir, git_commit, print0
 from nanotrain.durable import best_copy, commit, fsync_path, is_complete, recover, remove_dir
+from nanotrain.errors import UserError
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
 from nanotrain.gpt import GPT, GPTConfig, build_model
 from nanotrain.tensor_file import CheckpointError, load_tensor_file  # noqa: F401 (CheckpointError: interface)

@@ -35,9 +35,10 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, atomic_write_json, atomic_write_text, get_base_dir, print0
+from nanotrain.common import atomic_write_json, atomic_write_text, get_base_dir, print0
 from nanotrain.downloads import download, exclusive
 from nanotrain.durable import commit, is_complete, recover
+from nanotrain.errors import UserError
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 URL_ENV = "NANOTRAIN_EVAL_BUNDLE_URL"  # overrides EVAL_BUNDLE_URL (a mirror; file:// works)

@@ -12,8 +12,9 @@ import os
 import urllib.error
 import urllib.request
 
-from nanotrain.common import UserError, any_rank, get_base_dir, get_dist_info
+from nanotrain.common import any_rank, get_base_dir, get_dist_info
 from nanotrain.durable import is_complete, recover
+from nanotrain.errors import UserError
 
 try:
     import fcntl
