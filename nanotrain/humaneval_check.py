@@ -7,12 +7,16 @@ code + the problem's test + check(entry_point), and reads its exit status; here 
 - the trusted half runs the problem's test and check(entry_point) in a process of its own that never executes model
   code: the prompt (benchmark text: the helpers some tests use, such as poly or encode_cyclic, come from it), then the
   test, then check() with a candidate that forwards each call across a pipe. Arguments and results cross as text and
-  are read back by a literal-only parser (ast.literal_eval's grammar plus nan, inf, set() and frozenset(...)), so no
-  object the program made, with a rigged __eq__ or otherwise, ever reaches the test's asserts. The verdict is that
+  are read back by a literal-only parser (ast.literal_eval's grammar plus nan, inf, set(), frozenset(...) and
+  range(...)), so no object the program made, with a rigged __eq__ or otherwise, ever reaches the test's asserts; a
+  result that is an iterator (a generator, map, filter) crosses as its items and is an iterator again on the trusted
+  side, so that tuple(candidate(x)) passes and candidate(x) == [...] fails as in nanochat. The verdict is that
   process's exit status: 0 only when check() returned.
 The program never sees the test or a token it could print: exiting early, printing from an atexit hook, an
-excepthook or a thread, or tracing around check() can only lose. A result that is not a literal (a generator, a
-custom object, a value whose repr fails) is a failed call, as is a reply too long, late or missing. The answer key is
+excepthook or a thread, or tracing around check() can only lose. A result that is not a literal (a custom object, a
+value whose repr fails) is a failed call, as is a reply too long, late or missing. Where this differs from nanochat on
+code that is not trying to cheat: arguments are copies (a candidate that mutates its argument is not seen doing so by
+the test; no HumanEval test looks), and the prompt's helpers the test calls are the prompt's, not the reply's. The answer key is
 kept from the program: as root the base directory is made 0700 when others could enter it (the program runs under
 another uid); under bubblewrap it is not mounted; with no isolation nothing is kept from it.
 """
@@ -60,6 +64,11 @@ def literal(node):
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("set", "frozenset")
             and not node.keywords and len(node.args) <= 1):
         return {"set": set, "frozenset": frozenset}[node.func.id](literal(node.args[0]) if node.args else ())
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "range"
+            and not node.keywords and 1 <= len(node.args) <= 3):
+        args = [literal(a) for a in node.args]
+        if all(type(a) is int for a in args):
+            return range(*args)
     raise ValueError(f"not a literal: {type(node).__name__}")
 
 def decode(text):
@@ -98,10 +107,14 @@ class Candidate:
         decode(call)  # only literals may cross
         send(call.encode("utf-8") + b"\n")
         answer = decode(receive())
-        if not (isinstance(answer, tuple) and len(answer) == 2 and answer[0] in ("ok", "raise")):
+        if not (isinstance(answer, tuple) and len(answer) == 2 and answer[0] in ("ok", "iter", "raise")):
             raise ValueError("not an answer")
-        if answer[0] != "ok":
+        if answer[0] == "raise":
             raise RuntimeError(f"the candidate raised {answer[1]}")
+        if answer[0] == "iter":
+            if not isinstance(answer[1], list):
+                raise ValueError("not an answer")
+            return iter(answer[1])
         return answer[1]
 
 ns = {"__name__": "__main__"}
@@ -117,7 +130,8 @@ SERVE = """
 
 def _nanotrain_serve(calls, answers):
     import math as _math, os as _os
-    env = {{"__builtins__": {{}}, "nan": _math.nan, "inf": _math.inf, "set": set, "frozenset": frozenset}}
+    env = {{"__builtins__": {{}}, "nan": _math.nan, "inf": _math.inf, "set": set, "frozenset": frozenset,
+           "range": range}}
     pending = b""
     while True:
         while b"\\n" not in pending:
@@ -128,7 +142,11 @@ def _nanotrain_serve(calls, answers):
         line, pending = pending.split(b"\\n", 1)
         name, args, kwargs = eval(line.decode("utf-8"), env)
         try:
-            text = repr(("ok", globals()[name](*args, **kwargs)))
+            result = globals()[name](*args, **kwargs)
+            if hasattr(result, "__next__") and iter(result) is result:  # a generator, map, filter, zip...
+                text = repr(("iter", list(result)))
+            else:
+                text = repr(("ok", result))
         except BaseException as e:
             text = repr(("raise", type(e).__name__))
         data = (text + "\\n").encode("utf-8", "backslashreplace")
