@@ -21,7 +21,8 @@ How it is isolated, by how this process runs (isolation()):
   memory is bounded per process (NPROC x memory_bytes at most in all). Afterwards this process kills every process of
   that uid (a kill(-1) from a helper under that uid, bounded by a timeout, plus pidfd kills from here, repeated until
   /proc shows none), then removes the uid's files and directories in /tmp, /var/tmp, /dev/shm and /dev/mqueue and its
-  SysV shared memory, semaphores and message queues. Not isolated: the network, every world-readable file (keep
+  SysV shared memory, semaphores and message queues. Not isolated: the network, other processes' command lines in
+  /proc, every world-readable file (keep
   secrets and answer keys out of world-readable places: HumanEval's grader makes the base directory 0700 when others
   can reach it), the kernel itself (no seccomp).
 - not root, bubblewrap installed and working ("bwrap"): the program runs in `bwrap --unshare-all` (its own user, pid,

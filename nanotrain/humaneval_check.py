@@ -16,7 +16,9 @@ The program never sees the test or a token it could print: exiting early, printi
 excepthook or a thread, or tracing around check() can only lose. A result that is not a literal (a custom object, a
 value whose repr fails) is a failed call, as is a reply too long, late or missing. Where this differs from nanochat on
 code that is not trying to cheat: arguments are copies (a candidate that mutates its argument is not seen doing so by
-the test; no HumanEval test looks), and the prompt's helpers the test calls are the prompt's, not the reply's. The answer key is
+the test; no HumanEval test looks), a result of a type with no literal (a Fraction, a Decimal, a class of the reply's)
+fails even where nanochat's == would accept it, and the prompt's helpers the test calls are the prompt's, not the
+reply's. The answer key is
 kept from the program: as root the base directory is made 0700 when others could enter it (the program runs under
 another uid); under bubblewrap it is not mounted; with no isolation nothing is kept from it.
 """

@@ -62,17 +62,13 @@ def sweep_uid(uid, python, cgroup, limit_s):
     """SIGKILL every process of uid until /proc shows none, for at most limit_s seconds: each round a helper under uid
     runs kill(-1, SIGKILL) (atomic against fork; the helper itself is killed when it does not end within a second,
     e.g. stopped by a SIGSTOP from the program), the cgroup's processes are killed, and each process /proc lists is
-    killed through a pidfd after its owner is checked (so a reused pid is never hit). Returns whether none is left."""
+    killed through a pidfd after its owner is checked (so a reused pid is never hit); at least one round, so that
+    without /proc (macOS) the helper still runs once. Returns whether none is left (True without /proc)."""
     deadline = time.monotonic() + limit_s
     while True:
-        pids = live_pids(uid)
-        if not pids:
-            return True
-        if time.monotonic() > deadline:
-            return False
         if cgroup is not None:
             cgroup.kill()
-        for pid in pids:
+        for pid in live_pids(uid):
             _kill_pid(pid, uid)
         helper = subprocess.Popen([python, "-I", "-S", "-c", KILL_UID], env={}, stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, user=uid, group=uid,
@@ -82,6 +78,10 @@ def sweep_uid(uid, python, cgroup, limit_s):
         except subprocess.TimeoutExpired:
             helper.kill()
             helper.wait()
+        if not live_pids(uid):
+            return True
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.01)
 
 
