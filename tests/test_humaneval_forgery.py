@@ -166,3 +166,52 @@ def test_forgeries_pass_nothing_on_all_164(problems, answer_key):
     assert sum(grade_humaneval([(c, c["messages"][1]["content"]) for c in convs])) == 164
     assert sum(grade_humaneval([(c, c["messages"][0]["content"] + "    pass\n") for c in convs])) == 0
     assert grade_all(convs, answer_key) == {name: 0 for name in FORGERIES}
+
+
+# Runs as an unused uid under /usr/bin/python3 (nanotrain.common stubbed: no torch): check_humaneval on the JSON
+# jobs of stdin; prints the verdicts and isolation() as JSON.
+HARNESS = f"""
+import json, sys, types
+sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+common = types.ModuleType("nanotrain.common")
+common.UserError = type("UserError", (Exception,), {{}})
+common.get_base_dir, common.print0 = (lambda: "/nonexistent"), print
+sys.modules["nanotrain.common"] = common
+from nanotrain import execution, humaneval_check
+jobs = json.load(sys.stdin)
+print(json.dumps([execution.isolation(), [humaneval_check.check_humaneval(**j) for j in jobs]]))
+"""
+
+
+def test_forgeries_pass_nothing_as_non_root_under_bwrap(problems):
+    """As a non-root user under bubblewrap: the canonical solutions of two problems pass and each forging method
+    fails, the answer key sitting in a directory every user can read (bubblewrap does not mount it). Catches a
+    bubblewrap sandbox that mounts the whole file system (the answer key forgery would pass) or breaks the pipes to
+    the trusted side (the canonical solutions would fail)."""
+    import subprocess
+
+    from nanotrain.sandbox_sweep import unused_uid
+    if not (isolation() == "uid" and os.path.exists("/usr/bin/python3") and shutil.which("bwrap")):
+        pytest.skip("needs root (to start an unprivileged user), /usr/bin/python3 and bwrap")
+    base = tempfile.mkdtemp(prefix="nanotrain-forgery-", dir="/var/tmp")
+    try:
+        os.chmod(base, 0o755)
+        key = os.path.join(base, "humaneval.jsonl")
+        with open(key, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in problems))
+        os.chmod(key, 0o644)
+        convs = [benchmarks.humaneval_conversation(r) for r in problems if r["task_id"] in HANDFUL[:2]]
+        replies = [c["messages"][1]["content"] for c in convs] + [forgery(n, c, key) for n in FORGERIES for c in convs]
+        jobs = [{"program": humaneval_program(c, r).split(c["test"])[0], "prompt": c["messages"][0]["content"],
+                 "test": c["test"], "entry_point": c["entry_point"]} for c, r in zip(convs * (1 + len(FORGERIES)),
+                                                                                      replies)]
+        uid = unused_uid()
+        proc = subprocess.run(["/usr/bin/python3", "-I", "-S", "-c", HARNESS], input=json.dumps(jobs), text=True,
+                              capture_output=True, cwd="/tmp", env={"PATH": "/usr/bin:/bin"}, user=uid, group=uid,
+                              extra_groups=[], timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        kind, verdicts = json.loads(proc.stdout.splitlines()[-1])
+        assert kind == "bwrap"
+        assert verdicts == [True] * len(convs) + [False] * (len(verdicts) - len(convs))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
