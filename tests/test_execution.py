@@ -330,10 +330,10 @@ for _ in range(10):
         b = bytearray(100 * 2**20)
         for i in range(0, len(b), 4096):
             b[i] = 1
-        time.sleep(5)
+        time.sleep(3)
         os._exit(0)
     kids.append(pid)
-time.sleep(2.5)
+time.sleep(1.0)
 total = 0
 for pid in kids:
     try:
@@ -343,7 +343,7 @@ for pid in kids:
         pass
 print("held_mb", total // 1024)
 """
-    result = run_program(code, timeout_s=4, memory_bytes=256 * 2**20)
+    result = run_program(code, timeout_s=3, memory_bytes=256 * 2**20)
     assert "held_mb" in result.stdout, result
     assert int(result.stdout.split()[-1]) <= 256 + 32
 

@@ -24,7 +24,7 @@ from nanotrain.execution import isolation, run_program
 
 pytestmark = pytest.mark.unit
 
-HANDFUL = ("HumanEval/0", "HumanEval/32", "HumanEval/33", "HumanEval/38", "HumanEval/53")  # helpers, self-reference
+HANDFUL = ("HumanEval/0", "HumanEval/32", "HumanEval/33")  # a plain one, a prompt helper (poly), the entry point by name
 if isolation() == "none":
     pytest.skip("no isolation for model-written code here (not root, no working bubblewrap)", allow_module_level=True)
 
@@ -142,8 +142,8 @@ def grade_all(convs, key):
 
 
 def test_forgeries_pass_nothing_on_a_handful(problems, answer_key):
-    """Each forging method on five problems (among them the tests that use prompt helpers and the entry point by
-    name): 0 passes, while the canonical solutions pass 5/5 and each method forges the token grader (the wrong
+    """Each forging method on three problems (among them tests that use a prompt helper and the entry point by
+    name): 0 passes, while the canonical solutions pass 3/3 and each method forges the token grader (the wrong
     implementation this catches) on HumanEval/0. The base directory, readable by others before, is 0700 after as
     root. Catches a grader that reads the verdict from anything the program prints or how it exits, compares an
     object the program made, or leaves the answer key readable."""
@@ -156,7 +156,7 @@ def test_forgeries_pass_nothing_on_a_handful(problems, answer_key):
         assert os.stat(os.path.dirname(os.path.dirname(answer_key))).st_mode & 0o077 == 0
 
 
-@pytest.mark.slow  # test_forgeries_pass_nothing_on_a_handful keeps every method on five problems in the default tier
+@pytest.mark.slow  # test_forgeries_pass_nothing_on_a_handful keeps every method on three problems in the default tier
 @pytest.mark.timeout(900)
 def test_forgeries_pass_nothing_on_all_164(problems, answer_key):
     """Every forging method on all 164 problems: 0 passes each; the canonical solutions pass 164/164 and the empty
