@@ -29,9 +29,10 @@ How it is isolated, by how this process runs (isolation()):
   network (none), IPC, UTS and cgroup namespaces), with /usr, the /lib and /bin links and Python's prefix mounted
   read-only, a private /tmp and /dev/shm, its working directory the only writable place, no capabilities, a new
   session (no terminal injection), killed with its namespace when bwrap is; it cannot see, signal or ptrace any
-  process outside, read the environment or any file outside those mounts. Not isolated: its process count (it
-  runs as this user: RLIMIT_NPROC would count all of this user's processes; the timeout still kills them all), memory
-  per process only, the kernel (no seccomp).
+  process outside, read the environment or any file outside those mounts; RLIMIT_NPROC (NPROC) bounds its
+  processes (counted in its own user namespace from Linux 5.14; before, all of this user's processes count, so a
+  program may not be able to fork at all). Not isolated: memory is bounded per process only (NPROC x memory_bytes at
+  most in all), the kernel (no seccomp).
 - not root, no working bubblewrap ("none"): no isolation at all: the program runs as this user and can kill this
   process, ptrace it, read its secrets and files, and write into its output. run_program refuses (UserError, one line
   saying why) unless unsafe_code is allowed (require_isolation(unsafe_code=True), or unsafe_code=True).
@@ -181,7 +182,7 @@ def _run(code, timeout_s, memory_bytes, cpu_s, file_bytes, pass_fds, unsafe_code
         cgroup = Cgroup.make(f"nanotrain-exec-{uid}", memory_bytes, NPROC) if uid is not None else None
         go_r, go_w = os.pipe()
         argv = [python, "-I", "-S", "-c", GUARD, str(memory_bytes), str(cpu_s), str(file_bytes),
-                str(NPROC if uid is not None else 0), str(go_r)]
+                str(NPROC if kind != "none" else 0), str(go_r)]
         if kind == "bwrap":
             argv = _bwrap_argv(workdir, python) + argv
         drop = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}

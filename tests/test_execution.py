@@ -310,6 +310,31 @@ def test_detached_grandchild_looping_kill_minus_one(mode, sig):
     assert run_as(mode, "print(os.getuid())".replace("print", "import os\nprint"))[0]["passed"]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fork_count_is_bounded(mode):
+    """A program forking 200 sleeping children gets at most NPROC processes, as root and under bwrap, and none is
+    left afterwards. Catches a sandbox without RLIMIT_NPROC (all 200 forks would succeed), e.g. under bwrap where
+    the program runs as this user."""
+    from nanotrain.execution import NPROC
+    code = """
+import ctypes, os, time
+print(os.getuid(), flush=True)
+libc = ctypes.CDLL(None)
+forked = 0
+for _ in range(200):
+    pid = libc.fork()
+    if pid == 0:
+        time.sleep(10)
+        os._exit(0)
+    forked += pid > 0
+print(forked)
+"""
+    result, _, uid = run_as(mode, code, timeout_s=2)
+    assert result["passed"], result
+    assert 0 < int(result["stdout"].split()[-1]) < NPROC
+    assert gone(uid=uid, grace_s=2)
+
+
 @pytest.mark.skipif(not (LINUX and ROOT), reason="needs Linux and root (the program's cgroup)")
 def test_ten_children_holding_memory_are_bounded_per_program():
     """Ten forked children each touch 100 MB against memory_bytes of 256 MB: where the program has a cgroup, the
