@@ -18,9 +18,9 @@ value whose repr fails) is a failed call, as is a reply too long, late or missin
 code that is not trying to cheat: arguments are copies (a candidate that mutates its argument is not seen doing so by
 the test; no HumanEval test looks), a result of a type with no literal (a Fraction, a Decimal, a class of the reply's)
 fails even where nanochat's == would accept it, and the prompt's helpers the test calls are the prompt's, not the
-reply's. The answer key is
-kept from the program: as root the base directory is made 0700 when others could enter it (the program runs under
-another uid); under bubblewrap it is not mounted; with no isolation nothing is kept from it.
+reply's. The answer key is kept from the program: as root the base directory (the pinned and hub copies of the
+benchmarks) is made 0700 when others could enter it (the program runs under another uid); under bubblewrap it is not
+mounted; with no isolation nothing is kept from it. A local copy (--data=/path) is the user's to keep unreadable.
 """
 
 import os
