@@ -1,58 +1,75 @@
 """
-Run one Python program written by a model (a HumanEval completion with its tests) and say whether it exited cleanly.
-The design idea is nanochat's (nanochat/execution.py: a fresh process, resource limits, a scrubbed environment, a
-temporary directory); the code is our own. Nothing the model wrote is ever eval'd or exec'd in this process.
+Run one Python program written by a model and say whether it exited cleanly. The design idea is nanochat's
+(nanochat/execution.py: a fresh process, resource limits, a scrubbed environment, a temporary directory); the
+isolation is our own. Nothing the model wrote is ever eval'd or exec'd in this process. A verdict that must not be
+forgeable (HumanEval) is not taken from here but from nanotrain/humaneval_check.py, whose trusted process calls the
+program's function across a pipe.
 
-What run_program does, on Linux:
-- the program runs in a fresh `python -I -S` process (isolated mode: no PYTHON* variables, no user or site
-  packages, so only the standard library can be imported), in a new session (its own process group), with stdin
-  closed, the environment reduced to PATH=/usr/bin:/bin, LANG=C.UTF-8 and HOME=its working directory, and a fresh
-  temporary directory as working directory, removed afterwards (also after a timeout);
-- resource limits are set in the child before the program runs: address space (memory_bytes), CPU seconds, the
-  size of any file it writes (stdout and stderr included: they go to files, so the parent never holds more than a
-  few KB of them), 64 open files, no core files;
-- when this process runs as root, the child runs as an unprivileged uid of its own (a random unused uid from
-  2**30 up, one per call, gid the same, no supplementary groups), so it cannot signal this process or any other
-  program, cannot write where "others" may not, and RLIMIT_NPROC (32 processes) stops a fork bomb; afterwards every
-  process of that uid is killed, including those that left the process group with setsid. A Python under a private
-  home (e.g. /root/.pyenv) cannot be run by that uid, so the child then runs the system's /usr/bin/python3 (or
-  /usr/local/bin/python3); if neither can be run by an unprivileged user, run_program raises RuntimeError;
-- when not root, the child runs as this user: no RLIMIT_NPROC (it counts all of the user's processes, so a small
-  limit would also stop the program's threads), and the program *can* signal this user's processes with ctypes;
-- after the wall-clock limit the whole process group is killed with SIGKILL; its processes' zombies are left to
-  init to reap;
-- a guard run before the program sets os.kill, os.fork, os.system, os.exec*, subprocess's fork_exec and friends to
-  None, against accidents (shutil.rmtree is not touched: importing shutil costs more start-up time
-  than it is worth). It is defence in depth only: ctypes and other dynamic features undo it at once.
+Always: a fresh `python -I -S` process (no PYTHON* variables, no user or site packages: the standard library only),
+stdin closed, the environment reduced to PATH, LANG and HOME (its working directory), a fresh temporary working
+directory removed afterwards; limits set before the program runs: address space (memory_bytes) per process, CPU
+seconds, file size (stdout and stderr go to files, read back cut to OUTPUT_CHARS), 64 open files, no core files;
+PR_SET_NO_NEW_PRIVS (no set-uid program or file capability raises its rights); os.kill, os.fork, subprocess and friends
+set to None (an accident guard only: ctypes undoes it). The wall-clock limit kills everything and run_program returns
+within timeout_s + SWEEP_S + a second, whatever the program does.
 
-What it does NOT protect against: this is not a security boundary. There is no seccomp, no container, no namespace
-(no PID, user, mount or network namespace: we skip `unshare`), so the program can use the network, read every
-world-readable file, write into world-writable directories (/tmp, /dev/shm; RLIMIT_FSIZE bounds each file's size,
-not their number), and use a kernel bug. The program can also end with sys.exit(0) before its tests run. It is meant
-for grading benchmark code a model wrote, not for running hostile code.
+How it is isolated, by how this process runs (isolation()):
+- root ("uid"): the program runs under a throwaway uid of its own (random, from 2**30 up, no groups), so it cannot
+  signal, ptrace or read the memory, environment or pipes of this or any other process, nor write where "others" may
+  not; RLIMIT_NPROC (NPROC) bounds its processes and threads. Where a cgroup (v2, or v1 memory and pids) can be made,
+  the program is in one of its own: memory_bytes bounds all its processes together and pids.max its processes; else
+  memory is bounded per process (NPROC x memory_bytes at most in all). Afterwards this process kills every process of
+  that uid (a kill(-1) from a helper under that uid, bounded by a timeout, plus pidfd kills from here, repeated until
+  /proc shows none), then removes the uid's files and directories in /tmp, /var/tmp, /dev/shm and /dev/mqueue and its
+  SysV shared memory, semaphores and message queues. Not isolated: the network, other processes' command lines in
+  /proc, every world-readable file (keep
+  secrets and answer keys out of world-readable places: HumanEval's grader makes the base directory 0700 when others
+  can reach it), the kernel itself (no seccomp).
+- not root, bubblewrap installed and working ("bwrap"): the program runs in `bwrap --unshare-all` (its own user, pid,
+  network (none), IPC, UTS and cgroup namespaces), with /usr, the /lib and /bin links and Python's prefix mounted
+  read-only, a private /tmp and /dev/shm, its working directory the only writable place, no capabilities, a new
+  session (no terminal injection), killed with its namespace when bwrap is; it cannot see, signal or ptrace any
+  process outside, read the environment or any file outside those mounts; RLIMIT_NPROC (NPROC) bounds its
+  processes (counted in its own user namespace from Linux 5.14; before, all of this user's processes count, so a
+  program may not be able to fork at all). Not isolated: memory is bounded per process only (NPROC x memory_bytes at
+  most in all), the kernel (no seccomp).
+- not root, no working bubblewrap ("none"): no isolation at all: the program runs as this user and can kill this
+  process, ptrace it, read its secrets and files, and write into its output. run_program refuses (UserError, one line
+  saying why) unless unsafe_code is allowed (require_isolation(unsafe_code=True), or unsafe_code=True).
 
-Platforms: Linux. On macOS the resource limits the system refuses (RLIMIT_AS often) are skipped. On Windows
-run_program raises RuntimeError.
+Platforms: Linux (bwrap and the uid sweep need /proc). On macOS, as a non-root user with unsafe_code only, refused
+resource limits are skipped. On Windows run_program raises RuntimeError.
 """
 
 import math
 import os
-import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
+from functools import lru_cache
+
+from nanotrain.errors import UserError
+from nanotrain.sandbox_sweep import Cgroup, remove_leftovers, sweep_uid, unused_uid
 
 OUTPUT_CHARS = 4096  # stdout and stderr are each cut to about this many characters: their head and their tail
-NPROC = 32  # processes (threads included) the program's uid may have, when it runs under a uid of its own
+NPROC = 16  # processes (threads included) the program's uid may have, when it runs under a uid of its own
+SWEEP_S = 3.0  # the most seconds the kill of a throwaway uid's processes may take after the program ends
 SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+UNSAFE_CODE = False  # set by require_isolation(unsafe_code=True): run without isolation when there is none
 
-# Runs in the child as `python -I -S -c GUARD memory_bytes cpu_s file_bytes nproc`, in the program's directory:
-# sets the limits, takes the dangerous functions away, then runs main.py as __main__.
+# Runs in the child as `python -I -S -c GUARD memory_bytes cpu_s file_bytes nproc go_fd`, in the program's directory:
+# waits for the parent's go (it is put into its cgroup first), sets the limits and no_new_privs, takes the dangerous
+# functions away, then runs main.py as __main__.
 GUARD = """
-import _posixsubprocess, os, resource, sys
-memory_bytes, cpu_s, file_bytes, nproc = map(int, sys.argv[1:])
+import _posixsubprocess, ctypes, os, resource, sys
+memory_bytes, cpu_s, file_bytes, nproc, go = map(int, sys.argv[1:])
+if go >= 0:
+    os.read(go, 1)
+    os.close(go)
 def limit(name, value):
     r = getattr(resource, name, None)
     try:
@@ -69,6 +86,8 @@ limit("RLIMIT_NOFILE", 64)
 limit("RLIMIT_CORE", 0)
 if nproc:
     limit("RLIMIT_NPROC", nproc)
+if sys.platform == "linux" and ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 with open("main.py", encoding="utf-8") as f:
     source = f.read()
 for name in ("kill", "killpg", "system", "popen", "fork", "forkpty", "setsid", "execv", "execve", "execvp",
@@ -81,17 +100,6 @@ sys.argv = ["main.py"]
 exec(compile(source, "main.py", "exec"), {"__name__": "__main__"})
 """
 
-# Runs as the program's uid after the program: kill(-1) signals every process of that uid but itself, atomically
-# against fork; ESRCH once nothing is left (zombies still count, hence the bound).
-KILL_UID = """
-import os
-for _ in range(100):
-    try:
-        os.kill(-1, 9)
-    except ProcessLookupError:
-        break
-"""
-
 
 @dataclass
 class ExecutionResult:
@@ -102,18 +110,55 @@ class ExecutionResult:
     stderr: str  # truncated to about OUTPUT_CHARS characters
 
 
-def run_program(code: str, timeout_s: float = 5.0, memory_bytes: int = 256 * 2**20, cpu_s: int | None = None,
-                file_bytes: int = 2**20) -> ExecutionResult:
-    """Run the Python source `code` as __main__ in a fresh, limited process (see the module docstring) and return
-    whether it exited with status 0 within the limits, with its truncated stdout and stderr.
+def isolation():
+    """How model-written code is isolated here: "uid" (this process is root: a throwaway uid), "bwrap" (bubblewrap
+    runs a namespace sandbox for this user) or "none" (neither). See the module docstring for what each covers."""
+    if os.name == "posix" and os.geteuid() == 0:
+        return "uid"
+    return "bwrap" if _bwrap_problem() is None else "none"
 
-    timeout_s: wall-clock seconds from the start of the process (interpreter start-up included), after which the
-    process group is killed; memory_bytes: the address-space limit in bytes; cpu_s: CPU seconds per process,
-    default ceil(timeout_s) + 1; file_bytes: the largest file the program may write, in bytes (stdout and stderr
-    each count as one). A program that fails, hangs, crashes or breaks a limit just gives passed=False; nothing is
-    raised for it. Raises ValueError for a limit that is not positive (or not finite), RuntimeError on Windows or
-    when running as root with no Python an unprivileged user can run, OSError when the process cannot be started.
-    Thread-safe: no signal handler, cwd or environment of this process is touched."""
+
+def require_isolation(unsafe_code=False):
+    """Check, before any model-written code is generated or run, that it can be isolated; with unsafe_code=True,
+    allow run_program to run it with no isolation from here on (the lm-eval convention). Returns isolation().
+    Raises UserError (one line: why, and the three ways out) when there is none and unsafe_code is False."""
+    global UNSAFE_CODE
+    kind = isolation()
+    if kind == "none" and not unsafe_code:
+        raise UserError(f"refusing to run model-written code (HumanEval) without isolation: this process is not root "
+                        f"(which runs it under a throwaway uid) and bubblewrap cannot be used ({_bwrap_problem()}); "
+                        f"install bubblewrap (apt-get install bubblewrap), run as root, or pass --unsafe_code=True "
+                        f"to run it as this user, able to read its secrets and kill or ptrace this process")
+    UNSAFE_CODE = UNSAFE_CODE or bool(unsafe_code)
+    return kind
+
+
+def run_program(code: str, timeout_s: float = 5.0, memory_bytes: int = 256 * 2**20, cpu_s: int | None = None,
+                file_bytes: int = 2**20, pass_fds=(), unsafe_code: bool | None = None) -> ExecutionResult:
+    """Run the Python source `code` as __main__ in a fresh, limited, isolated process (see the module docstring) and
+    return whether it exited with status 0 within the limits, with its truncated stdout and stderr.
+
+    timeout_s: wall-clock seconds from the start of the process (interpreter start-up included), after which every
+    process of the program is killed; memory_bytes: the address-space limit per process in bytes (and the cgroup's
+    memory limit for the whole program where there is one); cpu_s: CPU seconds per process, default
+    ceil(timeout_s) + 1; file_bytes: the largest file the program may write, in bytes (stdout and stderr each count as
+    one); pass_fds: file descriptors of this process the program inherits under the same numbers (pipes to talk to
+    it), closed here once the program has started, or when it cannot be (so that the other end sees EOF when the
+    program ends); unsafe_code: run with no isolation when there is none (None: the require_isolation setting). A program that
+    fails, hangs, crashes or breaks a limit just gives passed=False; nothing is raised for it. Returns within
+    timeout_s + SWEEP_S + about a second. Raises ValueError for a limit that is not positive (or not finite),
+    UserError when there is no isolation and unsafe_code is not allowed, RuntimeError on Windows or when running as
+    root with no Python an unprivileged user can run, OSError when the process cannot be started. Thread-safe: no
+    signal handler, cwd or environment of this process is touched."""
+    owned = list(pass_fds)  # emptied once closed
+    try:
+        return _run(code, timeout_s, memory_bytes, cpu_s, file_bytes, owned, unsafe_code)
+    finally:
+        for fd in owned:
+            os.close(fd)
+
+
+def _run(code, timeout_s, memory_bytes, cpu_s, file_bytes, pass_fds, unsafe_code):
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     for name, value in (("memory_bytes", memory_bytes), ("cpu_s", cpu_s), ("file_bytes", file_bytes)):
@@ -121,11 +166,12 @@ def run_program(code: str, timeout_s: float = 5.0, memory_bytes: int = 256 * 2**
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if os.name != "posix":
         raise RuntimeError("run_program needs a POSIX system (Linux or macOS)")
+    kind = isolation()
+    if kind == "none":
+        require_isolation(UNSAFE_CODE if unsafe_code is None else unsafe_code)
     cpu_s = math.ceil(timeout_s) + 1 if cpu_s is None else cpu_s
-    uid = _unused_uid() if os.geteuid() == 0 else None
+    uid = unused_uid() if kind == "uid" else None
     python = _python(uid)
-    drop = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
-    argv = [python, "-I", "-S", "-c", GUARD, str(memory_bytes), str(cpu_s), str(file_bytes), str(NPROC if drop else 0)]
     with tempfile.TemporaryDirectory(prefix="nanotrain-exec-", ignore_cleanup_errors=True) as workdir, \
             tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
@@ -133,58 +179,93 @@ def run_program(code: str, timeout_s: float = 5.0, memory_bytes: int = 256 * 2**
         os.chmod(os.path.join(workdir, "main.py"), 0o644)
         if uid is not None:
             os.chown(workdir, uid, uid)  # the directory stays 0o700: only the program (and root) can enter it
+        cgroup = Cgroup.make(f"nanotrain-exec-{uid}", memory_bytes, NPROC) if uid is not None else None
+        go_r, go_w = os.pipe()
+        argv = [python, "-I", "-S", "-c", GUARD, str(memory_bytes), str(cpu_s), str(file_bytes),
+                str(NPROC if kind != "none" else 0), str(go_r)]
+        if kind == "bwrap":
+            argv = _bwrap_argv(workdir, python) + argv
+        drop = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
-        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                start_new_session=True, **drop)
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                    start_new_session=True, pass_fds=(go_r, *pass_fds), **drop)
+        except BaseException:
+            os.close(go_w)
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        finally:
+            for fd in (go_r, *pass_fds):
+                os.close(fd)
+            pass_fds.clear()
         timed_out = False
         try:
-            returncode = proc.wait(timeout=timeout_s)
+            if cgroup is not None:
+                cgroup.add(proc.pid)
+            os.write(go_w, b"g")
+            os.close(go_w)
+            returncode = proc.wait(timeout=max(0.0, timeout_s - (time.monotonic() - start)))
         except subprocess.TimeoutExpired:
             timed_out, returncode = True, None
         finally:
-            _kill_all(proc, uid, python)
+            _end(proc, uid, python, cgroup)
         return ExecutionResult(passed=returncode == 0, timed_out=timed_out, returncode=returncode,
                                stdout=_read_truncated(out), stderr=_read_truncated(err))
 
 
-def _kill_all(proc, uid, python):
-    """SIGKILL the program's process group and reap the program; with a uid of its own, also every process of that
-    uid (those that left the group too). Zombies of its children are left to init."""
+def _end(proc, uid, python, cgroup):
+    """SIGKILL the program's process group (for bwrap: bwrap, whose pid namespace dies with it) and reap the program;
+    with a throwaway uid, also every process of that uid (those that left the group too), then its leftovers."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
-    if uid is not None:
-        subprocess.run([python, "-I", "-S", "-c", KILL_UID], env={}, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, user=uid, group=uid, extra_groups=[],
-                       check=False)
-    for _ in range(10):  # killpg is atomic against fork, so one is enough; a few more cost nothing
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            break
-
-
-def _unused_uid():
-    """A random uid from [2**30, 2**31) that no account and no running process has (two calls at once picking the
-    same one is a 1 in 2**30 chance)."""
-    import pwd
-    while True:
-        uid = 2**30 + secrets.randbelow(2**30)
-        try:
-            pwd.getpwuid(uid)
-        except KeyError:
-            pids = os.listdir("/proc") if os.path.isdir("/proc") else []
-            if not any(_owner(pid) == uid for pid in pids if pid.isdigit()):
-                return uid
-
-
-def _owner(pid):
+    if uid is None:
+        return
     try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
+        if not sweep_uid(uid, python, cgroup, SWEEP_S):
+            print(f"nanotrain.execution: processes of the throwaway uid {uid} survived {SWEEP_S:.0f} s of SIGKILLs "
+                  f"(stuck in the kernel); they can do nothing a fresh program could not", file=sys.stderr)
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+        remove_leftovers(uid)
+
+
+@lru_cache(maxsize=1)
+def _bwrap_problem():
+    """None when `bwrap` can start a fully unshared sandbox here, else why not (one phrase)."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None or sys.platform != "linux":
+        return "bwrap is not installed" if bwrap is None else "bubblewrap needs Linux"
+    argv = _bwrap_argv("/", os.path.realpath(sys.executable)) + ["/bin/true"]
+    try:
+        r = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap failed: {e}"
+    return None if r.returncode == 0 else f"bwrap failed: {r.stderr.decode(errors='replace').strip()[:200]}"
+
+
+def _bwrap_argv(workdir, python):
+    """bwrap and its options up to the program's argv: every namespace unshared, system directories and Python's
+    prefix read-only, a private /tmp and /dev/shm, workdir the one writable directory (the current directory)."""
+    argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    prefix = os.path.realpath(sys.base_prefix)
+    for path in {prefix, os.path.dirname(os.path.dirname(python))} - {"/", "/usr"}:
+        argv += ["--ro-bind", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    if workdir != "/":
+        argv += ["--bind", workdir, workdir]
+    return argv + ["--chdir", workdir, "--"]
 
 
 def _python(uid):
@@ -206,6 +287,13 @@ def _runnable_by_others(path):
     path = os.path.realpath(path)
     if os.stat(path).st_mode & 0o005 != 0o005:
         return False
+    return reachable_by_others(path)
+
+
+def reachable_by_others(path):
+    """Whether a user with no rights of its own can search every directory above path's real path (path itself is not
+    looked at; ACLs are not either)."""
+    path = os.path.realpath(path)
     while path != os.path.dirname(path):
         path = os.path.dirname(path)
         if not os.stat(path).st_mode & 0o001:

@@ -30,6 +30,7 @@ from nanotrain.configurator import configure
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
+from nanotrain.execution import require_isolation
 from nanotrain.report import write_section_or_warn
 from nanotrain.tasks.common import resolve_source
 from nanotrain.tasks.jsonl import load_jsonl
@@ -48,6 +49,7 @@ temperature = 0.0  # 0 is greedy
 top_k = 50  # sampling among the top_k tokens (0: all)
 batch_size = 64  # prompts per forward (multiple choice) and per KV cache (generation)
 tool = True  # run the calculator tool when the model calls it (False: the model writes the tool's output itself)
+unsafe_code = False  # run HumanEval's model-written code even with no isolation (not root and no bubblewrap): it can then read this user's secrets and kill this process
 device_type = ""  # cuda | mps | cpu; "" autodetects
 config = configure(globals())
 
@@ -58,6 +60,8 @@ def main():
     names = parse_task_names(tasks)
     if not names and not jsonl:
         raise UserError("nothing to evaluate: set --tasks (e.g. arith,spell,identity or chatcore) and/or --jsonl=path")
+    if "humaneval" in names:
+        require_isolation(unsafe_code)  # before anything is generated: one line when model code cannot be isolated
 
     # the problems: the benchmarks' test sets (fetched once, rank 0 first), the built-in tasks' val split, the JSONL
     problem_sets, skipped = [], {}

@@ -53,6 +53,7 @@ from nanotrain.configurator import configure
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
+from nanotrain.execution import require_isolation
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.osft import setup_osft
@@ -118,6 +119,7 @@ eval_examples = 400  # >= 0: validation conversations per evaluation (the first 
 sample_every = -1  # -1 or >= 1: steps between greedy answers to a few validation questions (rank 0)
 chatcore_every = -1  # -1 or >= 1: steps between a small ChatCORE (the five chat benchmarks, all ranks), also at the end
 chatcore_max_problems = 24  # problems per benchmark of the in-loop ChatCORE (the first ones, nanochat's order); -1: all
+unsafe_code = False  # run the in-loop ChatCORE's HumanEval code even with no isolation (not root and no bubblewrap): it can then read this user's secrets and kill this process
 chatcore_data = "auto"  # the benchmarks' test sets: auto (the hub if reachable, else pinned) | hub | pinned | a folder
 save_every = 500  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
@@ -239,6 +241,7 @@ def main():
                         f"{long_conversations} at {max_len} tokens)")
     chatcore_sets = {}  # the in-loop ChatCORE's problems: the first chatcore_max_problems of each benchmark
     if chatcore_every > 0:
+        require_isolation(unsafe_code)  # HumanEval runs model-written code: one line when it cannot be isolated
         data_source = resolve_source(chatcore_data)  # the hub is asked once
         for name in BENCHMARKS:
             convs = rank0_first(lambda name=name: TASKS[name].load("test", data_source), device)[0]

@@ -1,7 +1,11 @@
 """
 The program sandbox (nanotrain/execution.py): verdicts for passing and failing programs, the wall-clock, memory and
 file-size limits, the scrubbed environment, the temporary directory, the unprivileged uid (no signal to the parent,
-no write outside), fork bomb containment and thread safety. Each test names the wrong implementation it catches.
+no write outside), fork bomb containment and thread safety; then the escapes, each as root (a throwaway uid) and as a
+non-root user under bubblewrap (the test starts /usr/bin/python3 under an unused uid, nanotrain.common stubbed so that
+torch is not needed): a detached grandchild looping kill(-1, SIGKILL) or kill(-1, SIGSTOP) after the program ended,
+ten children holding memory, files and SysV IPC left behind, and an attack on the parent (kill, ptrace, its
+environment, its stdout); and the refusal without isolation. Each test names the wrong implementation it catches.
 """
 
 import os
@@ -208,3 +212,246 @@ def test_thread_safety():
         results = list(pool.map(run_program, codes))
     assert [r.passed for r in results] == [True, False, True, False]
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(4)]
+
+
+# ----------------------------------------------------------------------------- escapes, as root and under bwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEM_PYTHON = "/usr/bin/python3"
+# Runs as an unused uid under /usr/bin/python3: run_program(stdin's code) with argv[1] as its keyword arguments (JSON);
+# prints the result as JSON. HARNESS_PID in the code becomes this process's pid.
+HARNESS = f"""
+import json, os, sys, time, types
+sys.path.insert(0, {REPO!r})
+common = types.ModuleType("nanotrain.common")
+common.UserError = type("UserError", (Exception,), {{}})
+sys.modules["nanotrain.common"] = common
+from nanotrain import execution
+code = sys.stdin.read().replace("HARNESS_PID", str(os.getpid()))
+start = time.monotonic()
+try:
+    r = execution.run_program(code, **json.loads(sys.argv[1]))
+    out = dict(vars(r), isolation=execution.isolation())
+except common.UserError as e:
+    out = {{"refused": str(e)}}
+out["elapsed"] = time.monotonic() - start
+print(json.dumps(out), flush=True)
+"""
+
+
+def bwrap_works_for_others():
+    """Whether an unprivileged user can run the system Python and bubblewrap here (the non-root cells need both)."""
+    import shutil
+    return LINUX and ROOT and os.path.exists(SYSTEM_PYTHON) and shutil.which("bwrap") is not None
+
+
+def as_non_root(code, path="/usr/bin:/bin", env=None, **kwargs):
+    """(run_program's result as a dict, or {"refused": line}; the harness's uid) for `code` run by HARNESS under an
+    unused uid, with PATH=path (no bwrap on it: no isolation)."""
+    import json
+    import subprocess
+
+    from nanotrain.sandbox_sweep import unused_uid
+    uid = unused_uid()
+    proc = subprocess.run([SYSTEM_PYTHON, "-I", "-S", "-c", HARNESS, json.dumps(kwargs)], input=code, text=True,
+                          capture_output=True, cwd="/tmp", env={"PATH": path, **(env or {})}, user=uid, group=uid,
+                          extra_groups=[], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1]), uid, proc.stdout
+
+
+MODES = ["root", "bwrap"]
+
+
+def run_as(mode, code, **kwargs):
+    """(result dict, elapsed seconds, the uid whose processes must all be gone afterwards: the program's when root,
+    the harness's under bwrap)."""
+    if mode == "root":
+        if not (LINUX and ROOT):
+            pytest.skip("needs Linux and root")
+        start = time.monotonic()
+        r = vars(run_program(code, **kwargs))
+        return r, time.monotonic() - start, int(r["stdout"].split()[0]) if r["stdout"].split() else None
+    if not bwrap_works_for_others():
+        pytest.skip("needs root (to start an unprivileged user), /usr/bin/python3 and bwrap")
+    r, uid, _ = as_non_root(code, **kwargs)
+    assert r.get("isolation") == "bwrap", r
+    return r, r["elapsed"], uid
+
+
+KILLER = """
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+print(os.getuid(), flush=True)
+main = os.getpid()
+if libc.fork() == 0:
+    libc.setsid()
+    if libc.fork() == 0:
+        while libc.kill(main, 0) == 0:
+            time.sleep(0.01)
+        while True:
+            libc.kill(-1, SIGNAL)
+    os._exit(0)
+time.sleep(0.2)
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_detached_grandchild_looping_kill_minus_one(mode, sig):
+    """A grandchild in a session of its own waits for the program to end, then loops kill(-1, SIGKILL or SIGSTOP):
+    run_program returns within timeout + 5 s, nothing of the uid survives and the next program runs. Catches a sweep
+    run as that uid with no time bound (SIGSTOP stops it and run_program never returns; SIGKILL kills it and the
+    grandchild survives) or a kill of the process group only."""
+    result, elapsed, uid = run_as(mode, KILLER.replace("SIGNAL", str(int(sig))), timeout_s=2)
+    assert result["passed"], result
+    assert elapsed < 2 + 5
+    assert gone(uid=uid, grace_s=2)
+    assert run_as(mode, "print(os.getuid())".replace("print", "import os\nprint"))[0]["passed"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fork_count_is_bounded(mode):
+    """A program forking 200 sleeping children gets at most NPROC processes, as root and under bwrap, and none is
+    left afterwards. Catches a sandbox without RLIMIT_NPROC (all 200 forks would succeed), e.g. under bwrap where
+    the program runs as this user."""
+    from nanotrain.execution import NPROC
+    code = """
+import ctypes, os, time
+print(os.getuid(), flush=True)
+libc = ctypes.CDLL(None)
+forked = 0
+for _ in range(200):
+    pid = libc.fork()
+    if pid == 0:
+        time.sleep(10)
+        os._exit(0)
+    forked += pid > 0
+print(forked)
+"""
+    result, _, uid = run_as(mode, code, timeout_s=2)
+    assert result["passed"], result
+    assert 0 < int(result["stdout"].split()[-1]) < NPROC
+    assert gone(uid=uid, grace_s=2)
+
+
+@pytest.mark.skipif(not (LINUX and ROOT), reason="needs Linux and root (the program's cgroup)")
+def test_ten_children_holding_memory_are_bounded_per_program():
+    """Ten forked children each touch 100 MB against memory_bytes of 256 MB: where the program has a cgroup, the
+    memory they hold together stays under 256 MB (plus 32 MB of slack). Catches memory bounded per process only
+    (RLIMIT_AS): 10 x 100 MB = 1000 MB would be held."""
+    from nanotrain.sandbox_sweep import Cgroup
+    probe = Cgroup.make("nanotrain-probe", 2**30, 4)
+    if probe is None:
+        pytest.skip("no cgroup can be made here: memory is bounded per process only (NPROC x memory_bytes)")
+    probe.remove()
+    code = """
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+kids = []
+for _ in range(10):
+    pid = libc.fork()
+    if pid == 0:
+        b = bytearray(100 * 2**20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        time.sleep(3)
+        os._exit(0)
+    kids.append(pid)
+time.sleep(1.0)
+total = 0
+for pid in kids:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if line.startswith(("VmRSS", "VmSwap")))
+    except OSError:
+        pass
+print("held_mb", total // 1024)
+"""
+    result = run_program(code, timeout_s=3, memory_bytes=256 * 2**20)
+    assert "held_mb" in result.stdout, result
+    assert int(result.stdout.split()[-1]) <= 256 + 32
+
+
+LEFTOVERS = """
+import ctypes, os
+print(os.getuid(), flush=True)
+libc = ctypes.CDLL(None, use_errno=True)
+for path in ("/tmp/nanotrain-leftover-TAG", "/dev/shm/nanotrain-leftover-TAG"):
+    with open(path, "w") as f:
+        f.write("left")
+os.mkdir("/tmp/nanotrain-leftover-dir-TAG")
+open("/tmp/nanotrain-leftover-dir-TAG/inner", "w").write("left")
+assert libc.shmget(KEY, 4096, 0o1600) >= 0, ctypes.get_errno()
+assert libc.semget(KEY, 1, 0o1600) >= 0, ctypes.get_errno()
+assert libc.msgget(KEY, 0o1600) >= 0, ctypes.get_errno()
+"""
+
+
+def sysv_keys():
+    keys = set()
+    for kind in ("shm", "sem", "msg"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            keys |= {int(line.split()[0]) for line in list(f)[1:] if line.strip()}
+    return keys
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_files_and_ipc_left_behind_are_removed(mode):
+    """Files and a directory in /tmp and /dev/shm, and a SysV shared memory segment, semaphore set and message queue
+    (key KEY) made by the program are gone after the call. Catches a sandbox that removes only its working directory
+    (the program's files and IPC objects would outlive it)."""
+    import secrets
+    tag, key = secrets.token_hex(4), 0x4E540000 + secrets.randbelow(2**16)
+    result, _, _ = run_as(mode, LEFTOVERS.replace("TAG", tag).replace("KEY", str(key)))
+    assert result["passed"], result
+    for path in (f"/tmp/nanotrain-leftover-{tag}", f"/dev/shm/nanotrain-leftover-{tag}",
+                 f"/tmp/nanotrain-leftover-dir-{tag}"):
+        assert not os.path.exists(path), path
+    assert key not in sysv_keys()
+
+
+def test_no_new_privs():
+    """Catches a sandbox that lets a set-uid program raise the program's rights (no PR_SET_NO_NEW_PRIVS)."""
+    result = run_program("print(open('/proc/self/status').read())")
+    assert "NoNewPrivs:\t1" in result.stdout, result.stdout[-500:]
+
+
+ATTACK = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+seen = {"ptrace": libc.ptrace(16, HARNESS_PID, None, None), "kill": libc.kill(HARNESS_PID, 9)}
+for what, path, mode in (("environ", "/proc/HARNESS_PID/environ", "rb"), ("stdout", "/proc/HARNESS_PID/fd/1", "w")):
+    try:
+        with open(path, mode) as f:
+            seen[what] = f.read().decode("latin-1") if mode == "rb" else f.write("pass@1 = 1.0 (forged)\\n")
+    except OSError as e:
+        seen[what] = type(e).__name__
+print(seen, dict(os.environ))
+"""
+
+
+@pytest.mark.skipif(not bwrap_works_for_others(), reason="needs root (to start an unprivileged user), "
+                                                         "/usr/bin/python3 and bwrap")
+def test_non_root_under_bwrap_cannot_touch_the_parent():
+    """As a non-root user under bubblewrap, the program cannot ptrace or kill the process that runs it, read its
+    HF_TOKEN (environment or /proc/<pid>/environ) or write a forged line into its stdout. Catches running the
+    program as this user with no namespace (every one of the four succeeds: the harness would die)."""
+    r, _, stdout = as_non_root(ATTACK, env={"HF_TOKEN": "hf_secret_token"})
+    assert r.get("isolation") == "bwrap", r
+    assert "hf_secret_token" not in r["stdout"] and "forged" not in stdout
+    assert "'ptrace': -1" in r["stdout"] and "'kill': -1" in r["stdout"], r["stdout"]
+
+
+@pytest.mark.skipif(not (LINUX and ROOT and os.path.exists(SYSTEM_PYTHON)),
+                    reason="needs root (to start an unprivileged user) and /usr/bin/python3")
+def test_non_root_without_bwrap_refuses_unless_unsafe_code():
+    """As a non-root user with no bwrap on PATH, run_program refuses in one line naming bubblewrap and
+    --unsafe_code=True, and runs the program (as that user) with unsafe_code=True. Catches running model code with
+    no isolation by default, or a refusal that cannot be overridden."""
+    refused, _, _ = as_non_root("print('ran')", path="/nonexistent")
+    assert "\\n" not in refused["refused"] and "bubblewrap" in refused["refused"] and \
+        "--unsafe_code=True" in refused["refused"], refused
+    ran, _, _ = as_non_root("print('ran')", path="/nonexistent", unsafe_code=True)
+    assert ran["isolation"] == "none" and ran["passed"] and ran["stdout"] == "ran\n"

@@ -7,10 +7,8 @@ HUMANEVAL_MEMORY per program.
 """
 
 import re
-import secrets
-from concurrent.futures import ThreadPoolExecutor
 
-from nanotrain.execution import run_program
+from nanotrain.humaneval_check import check_all
 from nanotrain.tasks.common import Task, load_test_set
 
 HUMANEVAL_TIMEOUT_S = 5.0  # wall-clock limit per HumanEval program (nanochat's)
@@ -58,20 +56,16 @@ def humaneval_program(conversation, completion):
 
 def grade_humaneval(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL_MEMORY, workers=SANDBOX_WORKERS):
     """
-    [(conversation, completion)] -> list[bool]: each program of humaneval_program run in nanotrain.execution's
-    sandbox (a fresh subprocess per program, `workers` at a time), True when it exits cleanly within the limits
-    and reaches its end: a line printing a random token drawn after the reply was written is appended, so a reply
-    that calls sys.exit(0) before the tests run does not pass.
+    [(conversation, completion)] -> list[bool]: each reply graded by nanotrain.humaneval_check (`workers` at a time):
+    humaneval_program's text without its test (the prompt's imports and the reply's code) runs in
+    nanotrain.execution's sandbox, and the test's check(entry_point) in a trusted process that calls the reply's
+    function across a pipe, so the verdict cannot be forged from inside the program. Raises UserError when there is
+    no isolation for model-written code and --unsafe_code was not given (nanotrain.execution.require_isolation).
     """
-    def run(pair):
-        token = secrets.token_hex(16)
-        result = run_program(humaneval_program(*pair) + f"print({token!r})\n", timeout_s=timeout_s,
-                             memory_bytes=memory_bytes)
-        return result.passed and token in result.stdout
-    if not pairs:
-        return []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(run, pairs))
+    jobs = [{"program": f"{extract_imports(c['messages'][0]['content'])}\n\n{extract_program(r)}\n\n",
+             "prompt": c["messages"][0]["content"], "test": c["test"], "entry_point": c["entry_point"]}
+            for c, r in pairs]
+    return check_all(jobs, timeout_s=timeout_s, memory_bytes=memory_bytes, workers=workers)
 
 
 class HumanEval(Task):

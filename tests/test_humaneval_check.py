@@ -1,0 +1,77 @@
+"""
+nanotrain/humaneval_check.py on code that does not cheat: its verdict equals nanochat's (the whole program run with
+its test, pass = exit status 0 and a token printed at its end) on results of every literal type, iterators, nan and
+inf, exceptions, exits, prompt helpers and tests that name the entry point; a program that crashes fails at once; a
+stalled candidate or a reply too long fails within the time limit. Inline problems: no download.
+"""
+
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from nanotrain.execution import isolation, run_program
+from nanotrain.tasks.humaneval import grade_humaneval, humaneval_program
+
+pytestmark = pytest.mark.unit
+if isolation() == "none":
+    pytest.skip("no isolation for model-written code here (not root, no working bubblewrap)", allow_module_level=True)
+
+PROMPT = 'import math\n\n\ndef helper(x):\n    return 2 * x\n\n\ndef f(*args):\n    """A function."""\n'
+VALUE = ("{'a': (1, 2.5, -0.0, None, True, b'x', 1+2j, frozenset({1}), set(), float('inf'), range(3), 'line\\n'),"
+         " 7: [[], {}, -3]}")
+CASES = [  # (reply's body of f, test's asserts on candidate)
+    ("return (i for i in args)", "assert tuple(candidate(1, 2)) == (1, 2)"),
+    ("return (i for i in args)", "assert candidate(1, 2) == [1, 2]"),
+    ("return map(str, args)", "assert sorted(candidate(2, 1)) == ['1', '2']"),
+    ("return float('nan')", "assert math.isnan(candidate())"),
+    ("return float('nan')", "assert candidate() == candidate()"),
+    (f"return {VALUE}", f"assert candidate() == {VALUE}"),
+    (f"return {VALUE}", "assert candidate() == {'a': (1,)}"),
+    ("return args[0] * 1.5", "assert abs(candidate(2) - 3.0) < 1e-9 and candidate(-1) < 0"),
+    ("raise ValueError('no')", "assert candidate() is None"),
+    ("return None", "assert candidate() is None"),
+    ("import sys\n    sys.exit(0)", "assert candidate() is None"),
+    ("return args[0] + 1", "assert helper(candidate(1)) == 4"),
+    ("return args[0] + 1", "assert candidate(1) == f(1) == 2"),
+    ("return sum(args)", "assert candidate(*range(10)) == 45 and candidate() == 0"),
+]
+
+
+def conversation(test):
+    return {"messages": [{"role": "user", "content": PROMPT}], "entry_point": "f",
+            "test": f"\n\nMETADATA = {{}}\n\n\ndef check(candidate):\n    {test}\n"}
+
+
+def token_grader(conv, completion):
+    """nanochat's verdict: the whole program with its test in the sandbox, exit 0 and the token at its end."""
+    token = secrets.token_hex(16)
+    result = run_program(humaneval_program(conv, completion) + f"print({token!r})\n")
+    return result.passed and token in result.stdout
+
+
+def test_verdict_on_honest_code_is_nanochats():
+    """Each case's verdict equals the token grader's, and both pass and fail occur. Catches a trusted side that
+    loses a type on the way (nan, -0.0, sets, bytes, complex, range, dict keys), turns a generator into a list (the
+    == [...] case would pass), lets an exception or sys.exit(0) in the candidate pass, or runs the test without the
+    prompt's helpers or the entry point's own name."""
+    pairs = [(conversation(test), f"{PROMPT}    {body}\n") for body, test in CASES]
+    with ThreadPoolExecutor(4) as pool:
+        expected = list(pool.map(lambda p: token_grader(*p), pairs))
+    got = grade_humaneval(pairs)
+    assert got == expected, [(c, e) for c, g, e in zip(CASES, got, expected) if g != e]
+    assert True in got and False in got
+
+
+@pytest.mark.parametrize("body, timeout_s, limit_s", [("import time\n    time.sleep(60)", 1, 1 + 3),
+                                                      ("return 'x' * (8 * 2**20)", 1, 1 + 3),
+                                                      ("pass\nraise SystemExit(3)", 5, 4)])
+def test_stalls_and_crashes_fail_in_time(body, timeout_s, limit_s):
+    """A candidate that sleeps, one whose answer is longer than MAX_REPLY_BYTES, and a program that ends before it
+    serves: False, within the time limit plus the sweep (the crash well before its limit of 5 s). Catches a trusted side that waits for an
+    answer without a deadline, reads one without a bound, or waits out the limit after the program is gone."""
+    conv = conversation("assert candidate() is not None")
+    start = time.monotonic()
+    assert grade_humaneval([(conv, f"{PROMPT}    {body}\n")], timeout_s=timeout_s) == [False]
+    assert time.monotonic() - start < limit_s
