@@ -2,8 +2,8 @@
 The program sandbox (nanotrain/execution.py): verdicts for passing and failing programs, the wall-clock, memory and
 file-size limits, the scrubbed environment, the temporary directory, the unprivileged uid (no signal to the parent,
 no write outside), fork bomb containment and thread safety; then the escapes, each as root (a throwaway uid) and as a
-non-root user under bubblewrap (the test starts /usr/bin/python3 under an unused uid, nanotrain.common stubbed so that
-torch is not needed): a detached grandchild looping kill(-1, SIGKILL) or kill(-1, SIGSTOP) after the program ended,
+non-root user under bubblewrap (the test starts /usr/bin/python3 under an unused uid, execution.py imports only
+nanotrain.errors, so torch is not needed): a detached grandchild looping kill(-1, SIGKILL) or kill(-1, SIGSTOP) after the program ended,
 ten children holding memory, files and SysV IPC left behind, and an attack on the parent (kill, ptrace, its
 environment, its stdout); and the refusal without isolation. Each test names the wrong implementation it catches.
 """
@@ -221,18 +221,16 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 # Runs as an unused uid under /usr/bin/python3: run_program(stdin's code) with argv[1] as its keyword arguments (JSON);
 # prints the result as JSON. HARNESS_PID in the code becomes this process's pid.
 HARNESS = f"""
-import json, os, sys, time, types
+import json, os, sys, time
 sys.path.insert(0, {REPO!r})
-common = types.ModuleType("nanotrain.common")
-common.UserError = type("UserError", (Exception,), {{}})
-sys.modules["nanotrain.common"] = common
-from nanotrain import execution
+from nanotrain import execution  # it imports nanotrain.errors only: no torch needed under the system Python
+from nanotrain.errors import UserError
 code = sys.stdin.read().replace("HARNESS_PID", str(os.getpid()))
 start = time.monotonic()
 try:
     r = execution.run_program(code, **json.loads(sys.argv[1]))
     out = dict(vars(r), isolation=execution.isolation())
-except common.UserError as e:
+except UserError as e:
     out = {{"refused": str(e)}}
 out["elapsed"] = time.monotonic() - start
 print(json.dumps(out), flush=True)
