@@ -13,7 +13,7 @@
 #       --no-deps -d .whl/
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 args=()
 for a in "$@"; do
@@ -24,9 +24,12 @@ for a in "$@"; do
 done
 pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
 site=".whl/site-py$pyver"  # rustbpe installed from the wheel goes here (git-ignored), not into the system
-if [ -d "$site" ]; then export PYTHONPATH="$PYTHONPATH:$PWD/$site"; fi
+if [ -d "$site" ]; then export PYTHONPATH="$PYTHONPATH:$PWD/$site" GPU_CHECK_RUSTBPE="from .whl/ ($site)"; fi
 if ! "$PY" -c "import rustbpe" 2>/dev/null; then
-    if ! "$PY" -m pip install --quiet --no-index --find-links .whl/ --target "$site" rustbpe==0.1.0; then
+    # pip if it is there, else the wheel (a zip) unpacked as it is: rustbpe has no dependencies
+    wheel=$(ls .whl/rustbpe-0.1.0-cp"$pyver"-*.whl 2>/dev/null | head -n 1)
+    if ! "$PY" -m pip install --quiet --no-index --find-links .whl/ --target "$site" rustbpe==0.1.0 2>/dev/null \
+        && ! { [ -n "$wheel" ] && "$PY" -m zipfile -e "$wheel" "$site"; }; then
         echo "error: rustbpe is not installed and .whl/ has no wheel of it for this Python ($pyver): fetch one with" \
              "'pip download rustbpe==0.1.0 --only-binary=:all: --python-version 3.12 --platform" \
              "manylinux2014_x86_64 --no-deps -d .whl/' (see runs/gpu_check.sh)" >&2

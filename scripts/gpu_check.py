@@ -11,13 +11,13 @@ step is recorded and the next one runs. The stage scripts are used only through 
 NANOTRAIN_BASE_DIR=<out>/base, so the check never touches the user's runs. Steps, in order:
 
   env           torch, CUDA, the card, its memory, the bf16 peak FLOP/s that MFU divides by, optional packages
-  gpu_tests     pytest -m "gpu or multigpu" (each CUDA path has a test naming it; all skip without CUDA)
-  tokenizer     the builtin corpus and a BPE tokenizer (scripts/tok_train.py)
+  tokenizer     the builtin corpus and a BPE tokenizer (scripts/tok_train.py; --vocab_size, 512 in a dry run)
+  plan          scripts/auto_batch_plan.py for the depth-20 model, total batch and this card: the predicted batch
   d20_auto      torchrun --nproc_per_node=1 scripts/base_train.py --depth=20 --auto_batch_size=True, compiled on CUDA,
                 --d20_steps steps after discovery: the device batch found, the probes (real CUDA OOMs among them), the
                 peak against the limit, step-downs (OOMs during training), tokens/s and MFU (median after step 1),
                 and the device's peak used memory polled with nvidia-smi
-  plan          scripts/auto_batch_plan.py for the same model, total batch and card: the predicted device batch
+  gpu_tests     pytest -m "gpu or multigpu" (each CUDA path has a test naming it; all skip without CUDA)
   d12_eager     scripts/bench.py --depth=12 --max_seq_len=2048 eager: tokens/s, MFU, peak memory
   d12_compiled  the same with --compile=True (dry run: skipped, torch.compile on CPU takes minutes)
   tiny_train    a depth-2 model (not compiled) for the chat steps
@@ -59,8 +59,8 @@ config = configure(globals())
 GiB = 1024 ** 3
 T_BIG = 2048  # nanochat's reference max_seq_len
 D20_TOTAL = 64 * T_BIG  # tokens per step of the depth-20 run: candidates 1..64 rows, so 32 (the target) is one
-STEPS = ("env", "gpu_tests", "tokenizer", "d20_auto", "plan", "d12_eager", "d12_compiled", "tiny_train", "sample",
-         "chat_eval")
+STEPS = ("env", "tokenizer", "plan", "d20_auto", "gpu_tests", "d12_eager", "d12_compiled", "tiny_train", "sample",
+         "chat_eval")  # in the order they run: the headline first, so a short budget cuts the least
 D12_ROWS = 32  # device batch of the depth-12 benchmark (about half of an 80 GB card's memory in plan mode)
 
 
@@ -262,21 +262,24 @@ def main():
         chk.save()
         raise UserError(f"no CUDA device here (torch {env.get('torch')}): the full check needs one; "
                         f"--dry-run runs the same steps on CPU at tiny sizes ({out_dir}/gpu_check.json)")
-    xml = os.path.join(out_dir, "gpu_tests.xml")
-    chk.run("gpu_tests", [py, "-m", "pytest", "-m", "gpu or multigpu", "-n", "0", "-q", "-p", "no:cacheprovider",
-                          "--timeout=120", f"--junitxml={xml}", os.path.join(REPO, "tests")], 150,
-            lambda o: parse_pytest(xml))
-
     vocab = 512 if dry_run else vocab_size
     chk.run("tokenizer", [py, script("tok_train.py"), f"--vocab_size={vocab}"] + (["--max_chars=300000"] if dry_run
                                                                                  else []), 90,
             lambda o: {"vocab_size": int(re.search(r"^vocab size: (\d+)", o, re.M).group(1))})
     vocab = chk.result["steps"]["tokenizer"].get("vocab_size", vocab)
 
-    # depth 20 with the automatic batch size, compiled, through torchrun (dry: depth 2, T=64, a 0.25 GiB budget)
+    # depth 20 at T=2048 (dry: depth 2, T=64, a 0.25 GiB budget): plan mode's prediction for this card, then the run
+    # with the automatic batch size, compiled (on CUDA), through torchrun
     depth, seq, total = (2, 64, 16 * 64) if dry_run else (20, T_BIG, D20_TOTAL)
     memory = ["--device_memory_gb=0.25"] if dry_run else []
     d20_iters = 3 if dry_run else d20_steps
+    gb = (env.get("total_memory_bytes") or 0) / GiB if gpu else 0.25
+    plan = chk.run("plan", [py, script("auto_batch_plan.py"), f"--depth={depth}", f"--max_seq_len={seq}",
+                            f"--vocab_size={vocab}", f"--total_batch_size={total}", f"--device_memory_gb={gb:.4f}"], 90,
+                   lambda o: {"device_batch_size": int(re.search(r"=> device_batch_size=(\d+)", o).group(1)),
+                              "device_memory_gb": gb, "measured_with": "fake CUDA tensors" if "fake CUDA" in o
+                              else "fake CPU tensors (bf16)"})
+
     run_dir = os.path.join(chk.base, "base", "gpu_check_d20")
     chk.run("d20_auto", [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", script("base_train.py"),
                          f"--depth={depth}", f"--max_seq_len={seq}", f"--total_batch_size={total}",
@@ -285,12 +288,10 @@ def main():
                          "--sample_every=-1", "--keep_last=1"] + memory, 330,
             lambda o: parse_d20(run_dir, o, d20_iters), poll_gpu=True)
     d20 = chk.result["steps"]["d20_auto"]
-    gb = (env.get("total_memory_bytes") or 0) / GiB if gpu else 0.25
-    plan = chk.run("plan", [py, script("auto_batch_plan.py"), f"--depth={depth}", f"--max_seq_len={seq}",
-                            f"--vocab_size={vocab}", f"--total_batch_size={total}", f"--device_memory_gb={gb:.4f}"], 90,
-                   lambda o: {"device_batch_size": int(re.search(r"=> device_batch_size=(\d+)", o).group(1)),
-                              "device_memory_gb": gb, "measured_with": "fake CUDA tensors" if "fake CUDA" in o
-                              else "fake CPU tensors (bf16)"})
+    xml = os.path.join(out_dir, "gpu_tests.xml")
+    chk.run("gpu_tests", [py, "-m", "pytest", "-m", "gpu or multigpu", "-n", "0", "-q", "-p", "no:cacheprovider",
+                          "--timeout=120", f"--junitxml={xml}", os.path.join(REPO, "tests")], 150,
+            lambda o: parse_pytest(xml))
 
     # depth 12 at T=2048, eager and compiled (dry: depth 2, T=64)
     bench = ([f"--depth={depth}", f"--max_seq_len={seq}", "--device_batch_size=4", f"--total_batch_size={4 * seq}",

@@ -146,7 +146,7 @@ def test_chunked_softcap_loss_compiled_on_cuda_equals_full_logits(dtype, tol):
     assert loss.dtype == torch.float32
     assert abs(got[0] - want[0]) <= tol * want[0] and rel(got[1], want[1]) < tol and rel(got[2], want[2]) < tol
     nocap = F.cross_entropy(logits, targets, ignore_index=-1)
-    assert abs(nocap - want[0]) > 10 * tol * want[0]
+    assert abs(nocap - want[0]) > 5 * tol * want[0]
 
 
 @pytest.mark.parametrize("ns_dtype,tol", [("float32", 1e-3), ("", 5e-2)], ids=["ns_fp32", "ns_default_bf16"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ["env", "gpu_tests", "tokenizer", "d20_auto", "plan", "d12_eager", "d12_compiled", "tiny_train", "sample",
+STEPS = ["env", "tokenizer", "plan", "d20_auto", "gpu_tests", "d12_eager", "d12_compiled", "tiny_train", "sample",
          "chat_eval"]
 STEP_KEYS = {"ok", "rc", "seconds", "timed_out", "cmd", "error"}
 HIDDEN = ("datasets", "wandb", "flash_attn")
