@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def env_info():
             "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
             "total_memory_bytes": props.total_memory if cuda else None,
             "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
-            "bf16_peak_flops": peak, "bf16_peak_source": source, "commit": git_commit(),
+            "bf16_peak_flops": peak, "bf16_peak_source": source,
+            "commit": git_commit() if git_commit() != "unknown" else os.environ.get("GPU_CHECK_COMMIT", "unknown"),
             "packages": {name: version(name) for name in ("triton", "flash_attn", "rustbpe", "datasets", "wandb")},
             "rustbpe_from": os.environ.get("GPU_CHECK_RUSTBPE", "installed")}
 
@@ -142,17 +144,23 @@ class Check:
             poller.start()
         t = time.time()
         limit = min(timeout, left)
-        with open(self.log_path, "a") as log:
-            log.write(f"\n===== {name} | {rec['cmd']} | timeout {limit:.0f}s\n")
+        with open(self.log_path, "ab") as log:  # the step writes straight into the log (readable while it runs)
+            log.write(f"\n===== {name} | {rec['cmd']} | timeout {limit:.0f}s\n".encode())
             log.flush()
+            start = log.tell()
+            p = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, errors="replace", timeout=limit, start_new_session=True)
-                output, rec["rc"] = p.stdout, p.returncode
-            except subprocess.TimeoutExpired as e:
-                output, rec["timed_out"] = (e.stdout or b"").decode("utf-8", "replace") if isinstance(
-                    e.stdout, bytes) else (e.stdout or ""), True
-            log.write(output)
+                rec["rc"] = p.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                rec["timed_out"] = True
+            finally:  # a timeout or Ctrl-C: its whole session goes (torchrun's workers, pytest's children)
+                if p.returncode is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            output = f.read().decode("utf-8", "replace")
         if poller:
             stop.set()
             poller.join()
@@ -285,7 +293,7 @@ def main():
                          f"--depth={depth}", f"--max_seq_len={seq}", f"--total_batch_size={total}",
                          "--auto_batch_size=True", "--batch_size_cache=False", f"--num_iterations={d20_iters}",
                          "--run_name=gpu_check_d20", "--eval_every=-1", f"--eval_tokens={total}", "--save_every=-1",
-                         "--sample_every=-1", "--keep_last=1"] + memory, 330,
+                         "--sample_every=-1", "--keep_last=1"] + memory, 360,
             lambda o: parse_d20(run_dir, o, d20_iters), poll_gpu=True)
     d20 = chk.result["steps"]["d20_auto"]
     xml = os.path.join(out_dir, "gpu_tests.xml")

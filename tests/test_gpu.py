@@ -41,6 +41,14 @@ def autocast(dtype):
     return torch.autocast("cuda", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
 
 
+@pytest.fixture(autouse=True)
+def full_fp32_matmuls(monkeypatch):
+    """fp32 matmuls in full fp32 (TF32 off) whatever an earlier test's compute_init turned on: the fp32 tolerances
+    below are fp32's, not TF32's (10-bit mantissa)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 def gqa_model(seed=0):
     """tiny_model's sizes with 4 query heads sharing 1 key/value head (GQA) and every weight nonzero, on the CPU."""
     torch.manual_seed(seed)

@@ -118,3 +118,21 @@ def test_errors_are_one_line(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: no CUDA device here"), p.stderr
     saved = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
     assert saved["ok"] is False and saved["steps"]["env"]["error"].startswith("no CUDA device")
+
+
+def test_a_spent_budget_records_every_step_and_exits_1(tmp_path):
+    """With --budget_s=4 no step can start (each needs 5 s left): every step is still in gpu_check.json, marked not
+    run with the reason, the dry run's skipped compile stays ok, and the exit code is 1. Catches a check that stops
+    at the first failed step (later keys missing) or exits 0 with steps not run."""
+    env = dict(os.environ, PYTHONPATH=REPO, NANOTRAIN_BASE_DIR=str(tmp_path / "b"), PYTHON=sys.executable)
+    p = subprocess.run(["bash", os.path.join(REPO, "runs", "gpu_check.sh"), "--dry-run", "--budget_s=4",
+                        f"--out={tmp_path / 'o'}"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    saved = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
+    assert sorted(saved["steps"]) == sorted(STEPS) and saved["ok"] is False
+    for name, step in saved["steps"].items():
+        if name == "d12_compiled":
+            assert step["ok"] and step["skipped"].startswith("dry run")
+        else:
+            assert not step["ok"] and step["error"] == "not run: the budget of 4 s is spent", name
+    assert "FAILED: env, tokenizer, plan" in p.stdout
