@@ -25,8 +25,8 @@ NANOTRAIN_BASE_DIR=<out>/base, so the check never touches the user's runs. Steps
   chat_eval     scripts/chat_eval.py --source=base --tasks=arith, the calculator tool on
 
 gpu_check.json (rewritten after every step): dry_run, commit, started, seconds, ok (every step ok), out, steps
-{name: {ok, rc, seconds, timed_out, cmd, error, ...parsed numbers}} and targets (the issue's H100 targets, None in
-a dry run). Exit code 0 when every step passed, 1 otherwise.
+{name: {ok, rc, seconds, timed_out, cmd, error, ...parsed numbers}} and targets (the issue's H100 targets; empty in a
+dry run). Exit code 0 when every step passed, 1 otherwise.
 """
 
 import json
@@ -40,8 +40,7 @@ import sys
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # the package of this working tree, also without an install
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's package, uninstalled
 
 from nanotrain.common import UserError, atomic_write_json, get_base_dir, run_script  # noqa: E402
 from nanotrain.configurator import configure  # noqa: E402
@@ -57,6 +56,7 @@ env_only = False  # internal: print the environment as JSON and exit (a subproce
 config = configure(globals())
 # -----------------------------------------------------------------------------
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1024 ** 3
 T_BIG = 2048  # nanochat's reference max_seq_len
 D20_TOTAL = 64 * T_BIG  # tokens per step of the depth-20 run: candidates 1..64 rows, so 32 (the target) is one

@@ -195,7 +195,7 @@ def test_ddp_and_fsdp2_on_nccl_at_one_rank(tmp_path):
     the unwrapped model's (1e-5 relative). Catches a DDP/FSDP2 gradient divided or summed twice, a sharded Muon
     update applied to the wrong rows, and NCCL paths that only run under torchrun.
     """
-    torch.cuda.set_device(CUDA)
+    torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         x, y = batch(3, rows=4, device=CUDA)
