@@ -295,13 +295,13 @@ def test_cuda_bf16_paths(monkeypatch):
     """On CUDA under bf16 autocast: flash-attn (when installed) must agree with SDPA, the cache path must agree with
     the full forward, and the fused AdamW + bf16 Muon step must run. Catches a (B, T, H, D) vs (B, H, T, D) layout
     mix-up on the flash path."""
-    import nanotrain.gpt as gpt_module
+    import nanotrain.attention as attention_module
 
     model = make_model(n_kv_head=1).cuda()
     idx = random_idx(2, 32).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits = model(idx)
-        monkeypatch.setattr(gpt_module, "flash_attn_func", None)
+        monkeypatch.setattr(attention_module, "flash_attn_func", None)
         logits_sdpa = model(idx)
         out = list(model.generate(idx[0, :8].tolist(), 8))
     assert logits.dtype == torch.float32
