@@ -42,8 +42,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this tree's package, uninstalled
 
-from nanotrain.common import UserError, atomic_write_json, get_base_dir, run_script  # noqa: E402
+from nanotrain.common import atomic_write_json, get_base_dir, run_script
 from nanotrain.configurator import configure  # noqa: E402
+from nanotrain.errors import UserError
 
 # ----------------------------------------------------------------------------- settings
 dry_run = False  # the same steps on CPU at tiny sizes (seconds each)
@@ -72,7 +73,8 @@ def env_info():
 
     import torch
 
-    from nanotrain.common import get_peak_flops, git_commit
+    from nanotrain.common import git_commit
+    from nanotrain.hardware import get_peak_flops
     def version(name):  # the installed distribution's version (from its metadata: nothing is imported), or None
         try:
             return importlib.metadata.version(name)
