@@ -63,7 +63,8 @@ def main():
     if "humaneval" in names:
         require_isolation(unsafe_code)  # before anything is generated: one line when model code cannot be isolated
 
-    # the problems: the benchmarks' test sets (fetched once, rank 0 first), the built-in tasks' val split, the JSONL
+    # ------------------------------------------------------------------------- the problems
+    # the benchmarks' test sets (fetched once, rank 0 first), the built-in tasks' val split, the JSONL
     problem_sets, skipped = [], {}
     data_source = resolve_source(data) if any(n in BENCHMARKS for n in names) else data  # the hub is asked once
     for name in names:
@@ -79,7 +80,8 @@ def main():
     print0(f"checkpoint: {path}")
     engine = Engine(model, tokenizer)
 
-    # score every task: multiple choice by one forward, the others by greedy (or sampled) generation
+    # ------------------------------------------------------------------------- score every task
+    # multiple choice by one forward, the others by greedy (or sampled) generation
     results = {}
     for name, problems in problem_sets:
         problems = problems if max_problems < 0 else problems[:max_problems]

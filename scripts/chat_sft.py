@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from nanotrain import run, training
 from nanotrain.autobatch.builders import sft_builder
 from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.chat_metrics import chatcore, score_task
@@ -57,7 +58,6 @@ from nanotrain.execution import require_isolation
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.osft import setup_osft
-from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.sft_data import (
     LONG_POLICIES,
     ConversationSampler,
@@ -71,14 +71,6 @@ from nanotrain.sft_data import (
 from nanotrain.tasks.common import resolve_source
 from nanotrain.tasks.registry import BENCHMARKS, TASKS, load_task_mixture
 from nanotrain.tokenizer import get_tokenizer
-from nanotrain.training import (
-    check_finite,
-    forward_backward,
-    lr_multiplier,
-    optimizer_step,
-    precision,
-    resolve_compile,
-)
 
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/sft/<run_name>; "" means the source run's name
@@ -179,8 +171,8 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
-    use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
+    compute_dtype, autocast_ctx = training.precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
+    use_compile = training.resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     tokenizer = get_tokenizer()
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     if long_conversations not in LONG_POLICIES:
@@ -191,10 +183,11 @@ def main():
     if max_tokens_per_device is None and not auto_batch_size:
         max_tokens_per_device = 2048
 
-    # the starting point: this run's checkpoint (resume) or the source checkpoint (fresh run)
+    # ------------------------------------------------------------------------- the starting point
+    # this run's checkpoint (resume) or the source checkpoint (fresh run)
     source_dir, stage = (None, None) if (resume and run_name) else find_source_dir()
-    run_dir = get_run_dir("sft", run_name or os.path.basename(source_dir))
-    lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
+    run_dir = run.get_run_dir("sft", run_name or os.path.basename(source_dir))
+    run.lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
     ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     src = None
     if ckpt is None:
@@ -214,7 +207,8 @@ def main():
                       unembedding_lr=unembedding_lr * init_lr_frac, scalar_lr=scalar_lr * init_lr_frac,
                       weight_decay=weight_decay, ns_dtype=ns_dtype)
 
-    # automatic batch size: the largest micro-batch of B rows of max_seq_len tokens (one packed row of
+    # ------------------------------------------------------------------------- automatic batch size
+    # the largest micro-batch of B rows of max_seq_len tokens (one packed row of
     # B*max_seq_len tokens, or B padded rows) whose training step fits; then max_tokens_per_device = B*max_seq_len.
     # Probed before the model is built.
     if max_tokens_per_device is None:
@@ -229,7 +223,8 @@ def main():
         max_tokens_per_device = rows * max_seq_len
         print0(f"max_tokens_per_device = {rows} x {max_seq_len} = {max_tokens_per_device:,}")
 
-    # data: every rank renders all conversations (lpt_pack needs every length) and takes its share of each step
+    # ------------------------------------------------------------------------- data
+    # every rank renders all conversations (lpt_pack needs every length) and takes its share of each step
     t0 = time.time()
     spec = tasks + (f",jsonl:{jsonl}" if jsonl else "")
     max_len = min(max_seq_len, max_tokens_per_device)
@@ -260,7 +255,8 @@ def main():
                         max_conversations_per_device, padded=not packing)
         return [micro_batch([examples[i] for i in mb[rank]], packing, pad_id, device) for mb in plan]
 
-    # model: the source weights (or this run's checkpoint) in fp32, then its optimizers, compiled and wrapped
+    # ------------------------------------------------------------------------- model
+    # the source weights (or this run's checkpoint) in fp32, then its optimizers, compiled and wrapped
     seed_everything(seed)
     model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
@@ -281,7 +277,7 @@ def main():
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                           else None)
 
-    # logging
+    # ------------------------------------------------------------------------- logging
     peak_flops, peak_source = get_peak_flops(device, compute_dtype)
     mean_len = sum(len(ids) for ids, _ in train) / len(train)
     print0(f"Device: {device} x {world_size} | dtype {str(compute_dtype).removeprefix('torch.')} | "
@@ -301,7 +297,7 @@ def main():
            f"and <= {max_conversations_per_device} conversations per rank; {'packed' if packing else 'padded'} rows")
     print0(f"Steps: {total_steps:,} ({total_steps / epoch_steps:.2f} epochs of {epoch_steps} steps)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
+    metrics = run.open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
@@ -323,7 +319,7 @@ def main():
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
-        if save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
+        if run.save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True "
@@ -371,20 +367,20 @@ def main():
         count = global_target_count(sum(b["targets"] for b in batches), device)  # before any backward
         scaled_loss = torch.zeros((), device=device)
         if count > 0:  # each micro-batch's summed loss x world size / count: DDP's mean is the global token mean
-            scaled_loss = forward_backward(model, batches, autocast_ctx,
+            scaled_loss = training.forward_backward(model, batches, autocast_ctx,
                                            loss_scale=token_loss_scale(count, world_size if is_ddp else 1))
         train_loss = all_reduce_scalar(scaled_loss, "mean", device)  # the global token mean
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         # clip, set the scheduled lr, update, zero the gradients (no update for a step without a trained token)
-        lrm = lr_multiplier(step, total_steps, 0.0, warmdown_ratio, 0.0)
+        lrm = training.lr_multiplier(step, total_steps, 0.0, warmdown_ratio, 0.0)
         if count == 0:
             print0(f"warning: step {step + 1} has no trained token (all masked); skipping the update")
             orig_model.zero_grad(set_to_none=True)
             grad_norm = None
         else:
-            check_finite(train_loss, step, run_dir)
-            grad_norm = optimizer_step(orig_model, optimizers, lrm, MUON_MOMENTUM, grad_clip)
-            check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
+            training.check_finite(train_loss, step, run_dir)
+            grad_norm = training.optimizer_step(orig_model, optimizers, lrm, MUON_MOMENTUM, grad_clip)
+            training.check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
         synchronize(device)
         dt = time.time() - t0
         step += 1
@@ -392,17 +388,18 @@ def main():
         tokens_seen += step_tokens
         if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
             train_time += dt
-        line, row = step_log_line(step, total_steps, loss=train_loss if count else float("nan"),
+        line, row = run.step_log_line(step, total_steps, loss=train_loss if count else float("nan"),
                                   grad_norm=None if grad_norm is None else grad_norm.item(), lrm=lrm, dt=dt,
                                   tokens=step_tokens, flops_per_token=flops_per_token, peak_flops=peak_flops,
                                   world_size=world_size)
         print0(f"{line} | targets {count} | micro-batches {len(batches)}")
         metrics.log(**row, tokens=tokens_seen, targets=count, micro_batches=len(batches), epoch=sampler.epoch)
 
-    # the end: replicas agree, the summary, the report card section
+    # ------------------------------------------------------------------------- the end
+    # replicas agree, the summary, the report card section
     summary = (f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
                f"final val loss {val_loss if val_loss is None else round(val_loss, 4)}")
-    finish_run(orig_model, run_dir, "sft", metrics, t_start, summary)
+    run.finish_run(orig_model, run_dir, "sft", metrics, t_start, summary)
 
 
 if __name__ == "__main__":

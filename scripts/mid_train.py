@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from nanotrain import run, training
 from nanotrain.autobatch.builders import gpt_builder
 from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.autobatch.stepdown import OOMStepDown
@@ -50,21 +51,9 @@ from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.osft import setup_osft
-from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.sft_data import ConversationTokenStream
 from nanotrain.tasks.registry import load_task_mixture
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
-from nanotrain.training import (
-    check_finite,
-    forward_backward,
-    grad_accum_steps_for,
-    lr_multiplier,
-    micro_batches,
-    muon_momentum,
-    optimizer_step,
-    precision,
-    resolve_compile,
-)
 
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/mid/<run_name>; "" means the base run's name
@@ -123,19 +112,20 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
-    use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
+    compute_dtype, autocast_ctx = training.precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
+    use_compile = training.resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     tokenizer = get_tokenizer()
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     token_bytes = get_token_bytes(device)
 
-    # the starting point: this run's checkpoint (resume) or the newest base checkpoint (model config and weights)
+    # ------------------------------------------------------------------------- the starting point
+    # this run's checkpoint (resume) or the newest base checkpoint (model config and weights)
     source_dir = find_run_dir("base", base_run_name)
     if source_dir is None:
         where = f" for --base_run_name={base_run_name}" if base_run_name else ""
         raise UserError(f"no base checkpoint found{where}; train one first (python scripts/base_train.py)")
-    run_dir = get_run_dir("mid", run_name or os.path.basename(source_dir))
-    lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
+    run_dir = run.get_run_dir("mid", run_name or os.path.basename(source_dir))
+    run.lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
     ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     base = None
     if ckpt is None:
@@ -151,7 +141,8 @@ def main():
                       unembedding_lr=unembedding_lr * init_lr_frac, scalar_lr=scalar_lr * init_lr_frac,
                       weight_decay=weight_decay, ns_dtype=ns_dtype)
 
-    # device batch size: given, discovered (before the model is built, so CUDA probes have the memory), or base's
+    # ------------------------------------------------------------------------- device batch size
+    # given, discovered (before the model is built, so CUDA probes have the memory), or base's
     device_batch_size = config["device_batch_size"]
     step_down = None  # with a discovered size: steps every rank down to a smaller size on out-of-memory
     if device_batch_size is not None:
@@ -173,10 +164,11 @@ def main():
                     total_batch_size=total_batch_size)
     if ckpt is not None:
         check_resume(ckpt, run_dir, settings, RESUME_KEYS, world_size)
-    grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+    grad_accum_steps = training.grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
     rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches: fixed by total_batch_size
 
-    # model: the base weights (or this run's checkpoint) in fp32, max_seq_len possibly changed (rotary only)
+    # ------------------------------------------------------------------------- model
+    # the base weights (or this run's checkpoint) in fp32, max_seq_len possibly changed (rotary only)
     seed_everything(seed)
     model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = start["path"] if ckpt is None else ckpt["meta"]["source"]
@@ -197,7 +189,8 @@ def main():
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                           else None)
 
-    # data: rank r renders and trains on conversations r, r + world_size, ... of the shuffled mixture
+    # ------------------------------------------------------------------------- data
+    # rank r renders and trains on conversations r, r + world_size, ... of the shuffled mixture
     def rendered(split):
         convs = load_task_mixture(tasks, split, seed=seed)[rank::world_size]
         if not convs:
@@ -217,7 +210,7 @@ def main():
     val_tokens_min = all_reduce_scalar(sum(len(t) for t in val_tokens), "min", device)
 
     def batch_sizes(device_batch_size):  # everything that depends on the device batch size, here and after a step-down
-        grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+        grad_accum_steps = training.grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
         eval_steps = max(1, min(eval_tokens // (device_batch_size * max_seq_len * world_size),  # always eval_tokens,
                                 val_tokens_min // (device_batch_size * row_tokens)))  # at most one pass
         return device_batch_size, grad_accum_steps, eval_steps
@@ -226,7 +219,7 @@ def main():
     def val_batches():
         return ConversationTokenStream(val_tokens, device_batch_size, max_seq_len, device, shuffle=False)
 
-    # logging
+    # ------------------------------------------------------------------------- logging
     peak_flops, peak_source = get_peak_flops(device, compute_dtype)
     print0(f"Device: {device} x {world_size} | dtype {str(compute_dtype).removeprefix('torch.')} | "
            f"compile {use_compile}")
@@ -241,7 +234,7 @@ def main():
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, {total_steps / epoch_steps:.2f} "
            f"epochs)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
+    metrics = run.open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokens_seen": tokens_seen,
@@ -262,7 +255,7 @@ def main():
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
-        if save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
+        if run.save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True "
@@ -299,30 +292,31 @@ def main():
             if step_down.device_batch_size != device_batch_size:
                 device_batch_size, grad_accum_steps, eval_steps = batch_sizes(step_down.device_batch_size)
         else:
-            loss = forward_backward(model, micro_batches(x, y, device_batch_size), autocast_ctx)
+            loss = training.forward_backward(model, training.micro_batches(x, y, device_batch_size), autocast_ctx)
         train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
-        check_finite(train_loss, step, run_dir)
+        training.check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
-        lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
-        grad_norm = optimizer_step(orig_model, optimizers, lrm, muon_momentum(step), grad_clip)
-        check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
+        lrm = training.lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
+        grad_norm = training.optimizer_step(orig_model, optimizers, lrm, training.muon_momentum(step), grad_clip)
+        training.check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
         synchronize(device)
         dt = time.time() - t0
         step += 1
         tokens_seen += total_batch_size
         if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
             train_time += dt
-        line, row = step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
+        line, row = run.step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
                                   tokens=total_batch_size, flops_per_token=flops_per_token, peak_flops=peak_flops,
                                   world_size=world_size)
         print0(line)
         metrics.log(**row, tokens=tokens_seen, epoch=train_stream.epoch)
 
-    # the end: replicas agree, the summary, the report card section
+    # ------------------------------------------------------------------------- the end
+    # replicas agree, the summary, the report card section
     summary = (f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
                f"final val bpb {val_bpb if val_bpb is None else round(val_bpb, 4)}")
-    finish_run(orig_model, run_dir, "mid", metrics, t_start, summary)
+    run.finish_run(orig_model, run_dir, "mid", metrics, t_start, summary)
 
 
 if __name__ == "__main__":
