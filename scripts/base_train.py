@@ -236,7 +236,6 @@ def main():
                                row_packing=row_packing)
     if ckpt is not None:
         train_loader.load_state_dict(ckpt["rank_state"]["loader"])
-        set_rng_state(ckpt["rank_state"]["rng"], device)
 
     def val_batches():  # contiguous rows whatever row_packing is: every validation token counted once
         return TokenLoader(tokenizer, val_files, device_batch_size, max_seq_len, device, rank, world_size)
@@ -266,6 +265,8 @@ def main():
         print0(f"Saved checkpoint {path}")
 
     # ------------------------------------------------------------------------- training loop
+    if ckpt is not None:  # last: the set-up above draws from the RNGs (the CPU MFU probe's matmul inputs)
+        set_rng_state(ckpt["rank_state"]["rng"], device)
     step = ckpt["meta"]["step"] if ckpt is not None else 0
     tokens_seen = ckpt["meta"]["tokens_seen"] if ckpt is not None else 0
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0
