@@ -23,7 +23,7 @@ import torch
 
 from nanotrain.common import get_base_dir, run_script
 from nanotrain.configurator import configure
-from nanotrain.tasks import wilson_interval
+from nanotrain.tasks.common import wilson_interval
 
 base_run = "cpu"  # the base run to start from
 seeds = "1,2"  # comma-separated seeds of the SFT stages (data order and task generation)

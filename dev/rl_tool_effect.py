@@ -21,7 +21,7 @@ import time
 
 from nanotrain.common import get_base_dir, run_script
 from nanotrain.configurator import configure
-from nanotrain.tasks import wilson_interval
+from nanotrain.tasks.common import wilson_interval
 
 mid_run = "cpu"  # the mid run to start from
 seeds = "42,43"  # comma-separated seeds of the SFT and RL stages

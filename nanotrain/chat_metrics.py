@@ -1,35 +1,27 @@
 """
-Scoring a chat model on the benchmarks of nanotrain.benchmarks (and on the built-in tasks), as nanochat's
+Scoring a chat model on the benchmarks of nanotrain.tasks (and on the built-in tasks), as nanochat's
 scripts/chat_eval.py scores them, so that the numbers compare:
 - multiple choice (ARC, MMLU): one forward of the prompt (the conversation without its reply, then
   <|assistant_start|>); the prediction is the argmax of the logits at that last position restricted to the problem's
   choice letters (each one token); right for the gold letter;
 - generative (GSM8K, HumanEval, the built-in tasks): the reply decoded by nanotrain.engine (greedy by default, the
   calculator tool as asked), graded by GSM8K's "#### N" exact match, HumanEval's tests run in nanotrain.execution's
-  sandbox, or nanotrain.tasks.grade; with num_samples > 1 a problem's accuracy is its unbiased pass@1 (the share of
+  sandbox, or the task's own grade (nanotrain.tasks); with num_samples > 1 a problem's accuracy is its unbiased pass@1 (the share of
   correct samples) and pass@k is reported too (Chen et al. 2021);
 - ChatCORE (nanochat): the mean over the five benchmarks of the centred accuracy (acc - chance) / (1 - chance),
   chance 0.25 for ARC-Easy, ARC-Challenge and MMLU, 0 for GSM8K and HumanEval; only when all five were scored.
 Problems are strided over ranks and the counts all-reduced, so every rank returns the same numbers.
 """
 
-import re
-import secrets
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.benchmarks import BENCHMARKS, CATEGORICAL, CHANCE
 from nanotrain.common import UserError
-from nanotrain.gsm8k import grade_gsm8k
 from nanotrain.rl import pass_at_k
-from nanotrain.tasks import grade, wilson_interval
-
-HUMANEVAL_TIMEOUT_S = 5.0  # wall-clock limit per HumanEval program (nanochat's)
-HUMANEVAL_MEMORY = 256 * 2**20  # bytes of address space per HumanEval program (nanochat's)
-SANDBOX_WORKERS = 4  # HumanEval programs run at once (each its own subprocess)
+from nanotrain.tasks.common import wilson_interval
+from nanotrain.tasks.registry import BENCHMARKS, TASKS, grade
 
 
 def _dist():
@@ -38,64 +30,23 @@ def _dist():
     return 0, 1
 
 
-# ----------------------------------------------------------------------------- HumanEval
-
-def extract_imports(prompt):
-    """The import lines at the top of a HumanEval prompt (blank and comment lines skipped, up to the first other
-    line), joined by newlines."""
-    out = []
-    for line in prompt.split("\n"):
-        s = line.strip()
-        if s.startswith(("import ", "from ")):
-            out.append(s)
-        elif s and not s.startswith("#"):
-            break
-    return "\n".join(out)
-
-
-def extract_program(completion):
-    """The first ```python (or ```) fenced block of a reply, stripped; the whole reply stripped if it has none."""
-    blocks = re.findall(r"```(?:python)?\s*\n(.*?)\n```", completion, re.DOTALL)
-    return blocks[0].strip() if blocks else completion.strip()
-
-
-def humaneval_program(conversation, completion):
-    """The program that grades a HumanEval reply (nanochat's): the prompt's imports, the reply's code
-    (extract_program), the problem's test code and check(entry_point), separated by blank lines."""
-    return (f"{extract_imports(conversation['messages'][0]['content'])}\n\n{extract_program(completion)}\n\n"
-            f"{conversation['test']}\ncheck({conversation['entry_point']})\n")
-
-
-def grade_humaneval(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL_MEMORY, workers=SANDBOX_WORKERS):
-    """
-    [(conversation, completion)] -> list[bool]: each program of humaneval_program run in nanotrain.execution's
-    sandbox (a fresh subprocess per program, `workers` at a time), True when it exits cleanly within the limits
-    and reaches its end: a line printing a random token drawn after the reply was written is appended, so a reply
-    that calls sys.exit(0) before the tests run does not pass.
-    """
-    from nanotrain.execution import run_program
-
-    def run(pair):
-        token = secrets.token_hex(16)
-        result = run_program(humaneval_program(*pair) + f"print({token!r})\n", timeout_s=timeout_s,
-                             memory_bytes=memory_bytes)
-        return result.passed and token in result.stdout
-    if not pairs:
-        return []
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(run, pairs))
-
+# ----------------------------------------------------------------------------- grading
 
 def grade_replies(conversations, replies):
-    """list[bool]: each reply (str) graded against its conversation by its task: GSM8K exact match, HumanEval in the
-    sandbox, else nanotrain.tasks.grade."""
+    """list[bool]: each reply (str) graded against its conversation by the conversation's task (its Task's
+    grade_batch, one call per task, so HumanEval's programs run in parallel); a conversation of no known task is
+    graded on the last line."""
     out = [None] * len(replies)
-    code = [i for i, c in enumerate(conversations) if c.get("task") == "humaneval"]
-    for i, ok in zip(code, grade_humaneval([(conversations[i], replies[i]) for i in code])):
-        out[i] = ok
-    for i, (c, r) in enumerate(zip(conversations, replies)):
-        if out[i] is None:
-            out[i] = grade_gsm8k(r, c["answer"]) if c.get("task") == "gsm8k" else bool(grade(c, r))
+    by_task = {}
+    for i, c in enumerate(conversations):
+        by_task.setdefault(c.get("task"), []).append(i)
+    for name, rows in by_task.items():
+        if name in TASKS:
+            oks = TASKS[name].grade_batch([conversations[i] for i in rows], [replies[i] for i in rows])
+        else:
+            oks = [grade(conversations[i], replies[i]) for i in rows]
+        for i, ok in zip(rows, oks):
+            out[i] = bool(ok)
     return out
 
 
@@ -161,7 +112,8 @@ def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, nu
     mine = conversations[rank::world]
     example = None
     passk = 0.0
-    if name in CATEGORICAL:
+    categorical = name in TASKS and TASKS[name].kind == "categorical"
+    if categorical:
         letters = score_multiple_choice(model, tokenizer, mine, batch_size, autocast_ctx)
         hits = [float(p == c["answer"]) for p, c in zip(letters, mine)]
         if mine:
@@ -191,8 +143,8 @@ def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, nu
     total = int(total)
     out = {"correct": correct if num_samples > 1 else int(correct), "total": total,
            "accuracy": correct / total if total else 0.0, "ci95": list(wilson_interval(correct, total)),
-           "chance": CHANCE.get(name, 0.0)}
-    if num_samples > 1 and name not in CATEGORICAL:
+           "chance": TASKS[name].chance if name in TASKS else 0.0}
+    if num_samples > 1 and not categorical:
         out[f"pass@{num_samples}"] = passk / total if total else 0.0
     if rank == 0 and example is not None:
         out["example"] = {"prompt": example[0][:500], "reply": example[1][:500]}
@@ -209,4 +161,4 @@ def chatcore(results):
     benchmarks, or None unless all five are in `results`."""
     if not all(name in results for name in BENCHMARKS):
         return None
-    return sum(centred(results[n]["accuracy"], CHANCE[n]) for n in BENCHMARKS) / len(BENCHMARKS)
+    return sum(centred(results[n]["accuracy"], TASKS[n].chance) for n in BENCHMARKS) / len(BENCHMARKS)

@@ -32,8 +32,7 @@ that state (exact). Off on CPU: there the loader's work is small next to a train
 with torch's threads for the cores. On CUDA the main thread waits for the GPU at every step's loss sync, which the
 thread can use.
 
-ConversationTokenStream (mid_train): the same rows cut from already tokenized conversations, concatenated in a
-seeded order per epoch.
+Mid-training's rows, cut from tokenized conversations the same way, are nanotrain.sft_data.ConversationTokenStream.
 """
 
 import atexit
@@ -46,7 +45,6 @@ import torch
 
 from nanotrain.common import UserError
 from nanotrain.dataset import iter_documents
-from nanotrain.sft_data import epoch_order
 
 _THREADS = weakref.WeakSet()  # live prefetch threads, each with its stop event as .stop
 ROW_PACKINGS = ("contiguous", "best_fit", "bos_aligned")  # TokenLoader's row_packing (module docstring)
@@ -352,74 +350,6 @@ class TokenLoader:
         elif self.device.type != "cpu":
             rows = rows.to(self.device)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.next_batch()
-
-
-# ----------------------------------------------------------------------------- mid-training token stream
-class ConversationTokenStream:
-    """
-    Mid-training rows (nanochat mid_train): the token lists of the conversations (list of list[int], e.g. rendered
-    conversations, every token trained), concatenated in nanotrain.sft_data.epoch_order and cut into rows of
-    max_seq_len + 1 tokens as in pretraining; next_batch() returns (x, y) int64 (batch_size, max_seq_len) on `device`
-    with y the next tokens.
-    Conversations run across row boundaries and attention is causal over the whole row, like base_train.
-    State: (epoch, offset of the conversation holding the next unseen token in the epoch's order, token index in
-    it), so resume continues at exactly the next unseen token. Loops over epochs forever. Raises ValueError if there
-    are no tokens.
-    """
-
-    def __init__(self, token_lists, batch_size, max_seq_len, device="cpu", seed=0, shuffle=True):
-        self.tokens = [np.asarray(t, dtype=np.int64) for t in token_lists]
-        if sum(len(t) for t in self.tokens) == 0:
-            raise ValueError("ConversationTokenStream: no tokens")
-        self.batch_size, self.max_seq_len = batch_size, max_seq_len
-        self.device, self.seed, self.shuffle = torch.device(device), seed, shuffle
-        self.epoch, self.offset, self.token = 0, 0, 0
-        self._order_epoch, self._order = None, None
-
-    @property
-    def tokens_per_epoch(self):
-        """Total tokens of one pass over the conversations (int)."""
-        return sum(len(t) for t in self.tokens)
-
-    def state_dict(self):
-        """{"epoch", "offset", "token"} (ints) of the next unseen token."""
-        return {"epoch": self.epoch, "offset": self.offset, "token": self.token}
-
-    def load_state_dict(self, state):
-        """Continues from state_dict() of a stream over the same conversations."""
-        self.epoch, self.offset, self.token = int(state["epoch"]), int(state["offset"]), int(state["token"])
-
-    def _take(self, n):
-        parts, got = [], 0
-        while got < n:
-            if self._order_epoch != self.epoch:
-                self._order = epoch_order(len(self.tokens), self.seed, self.epoch, self.shuffle)
-                self._order_epoch = self.epoch
-            if self.offset == len(self._order):
-                self.epoch, self.offset, self.token = self.epoch + 1, 0, 0
-                continue
-            toks = self.tokens[self._order[self.offset]]
-            piece = toks[self.token:self.token + (n - got)]
-            parts.append(piece)
-            got += len(piece)
-            self.token += len(piece)
-            if self.token >= len(toks):
-                self.offset, self.token = self.offset + 1, 0
-        return np.concatenate(parts)
-
-    def next_batch(self, batch_size=None):
-        """The next (x, y), each int64 (batch_size, max_seq_len) on the device; batch_size defaults to the stream's.
-        n rows at once are the same tokens as n calls of one row each."""
-        B, T = batch_size or self.batch_size, self.max_seq_len
-        rows = torch.from_numpy(self._take(B * (T + 1))).view(B, T + 1)
-        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-        return x.to(self.device), y.to(self.device)
 
     def __iter__(self):
         return self

@@ -29,8 +29,8 @@ from nanotrain.common import (
     git_commit,
     is_master,
     os_error_line,
-    os_errors_name,
 )
+from nanotrain.report_plots import read_metrics, write_plots
 
 STAGES = ("base", "mid", "sft", "rl", "eval")
 TITLES = {"base": "Base training", "mid": "Midtraining", "sft": "Chat SFT", "rl": "RL", "eval": "Chat eval"}
@@ -57,34 +57,6 @@ def _read_json(path):
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: not valid JSON ({e})") from None
-
-
-def read_metrics(run_dir):
-    """
-    The rows of <run_dir>/metrics.jsonl split into (train rows, val rows): train rows have "loss" and "dt" (seconds),
-    val rows "val_bpb", "val_loss" or (RL) "eval_pass1". Missing file -> ([], []). A torn last line (a run killed
-    mid-write) is skipped; a corrupt line elsewhere raises UserError naming file:line.
-    """
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return [], []
-    with open(path) as f:
-        lines = f.read().splitlines()
-    train, val = [], []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                continue
-            raise UserError(f"{path}:{i + 1}: not a JSON object") from None
-        if "loss" in row and "dt" in row:
-            train.append(row)
-        if "val_bpb" in row or "val_loss" in row or "eval_pass1" in row:
-            val.append(row)
-    return train, val
 
 
 def system_info():
@@ -138,84 +110,6 @@ def summarize(run_dir, stage, extra=None):
         "val_last": [vals[-1]["step"], vals[-1][val_key]] if vals else None,
         "extra": dict(extra or {}),
     }
-
-
-# ----------------------------------------------------------------------------- plots
-
-def _save_png(fig, path):
-    """Saves `fig` to `path` through a temp file and os.replace; on any error the temp file is removed and the error
-    raised (an OSError without a file name, e.g. a full disk, then names `path`)."""
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    try:
-        with os_errors_name(path):
-            fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def use_plot_cache_dir():
-    """
-    Points matplotlib's config and cache directory (MPLCONFIGDIR) at <base_dir>/matplotlib unless the user set it, so
-    the report card writes nothing under $HOME. Must run before matplotlib is imported (it reads the variable then).
-    """
-    if not os.environ.get("MPLCONFIGDIR"):
-        os.environ["MPLCONFIGDIR"] = os.path.join(get_base_dir(), "matplotlib")
-
-
-def write_plots(run_dir, out_dir, stage):
-    """
-    Writes <out_dir>/<stage>_loss.png (train loss and the validation metric against the step: RL's is the held-out
-    pass@1), <out_dir>/<stage>_reward.png (RL: mean reward and mean sample length against the step) and
-    <out_dir>/<stage>_tokens_per_sec.png (tokens/s against the step) from <run_dir>/metrics.jsonl, each only when
-    there is something to plot. Returns the list of file names written. matplotlib's caches go under the base
-    directory (use_plot_cache_dir).
-    """
-    use_plot_cache_dir()
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    train, val = read_metrics(run_dir)
-    written = []
-    if train or val:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-        if train:
-            axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
-        axes[0].set(xlabel="step", ylabel="train loss (nats/token)", title=f"{stage}: train loss")
-        key = next((k for k in ("val_bpb", "val_loss", "eval_pass1") if any(k in r for r in val)), "val_loss")
-        rows = [r for r in val if key in r]
-        if rows:
-            axes[1].plot([r["step"] for r in rows], [r[key] for r in rows], "o-", color="tab:orange")
-        axes[1].set(xlabel="step", ylabel=key.replace("_", " "), title=f"{stage}: {key.replace('_', ' ')}")
-        fig.tight_layout()
-        _save_png(fig, os.path.join(out_dir, f"{stage}_loss.png"))
-        plt.close(fig)
-        written.append(f"{stage}_loss.png")
-    rows = [r for r in train if "reward" in r]
-    if rows:  # RL: the mean reward and the mean sample length per step
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-        axes[0].plot([r["step"] for r in rows], [r["reward"] for r in rows], lw=1)
-        axes[0].set(xlabel="step", ylabel="mean reward", title=f"{stage}: reward of the samples")
-        axes[1].plot([r["step"] for r in rows], [r["mean_length"] for r in rows], lw=1, color="tab:green")
-        axes[1].set(xlabel="step", ylabel="tokens", title=f"{stage}: mean sample length")
-        fig.tight_layout()
-        _save_png(fig, os.path.join(out_dir, f"{stage}_reward.png"))
-        plt.close(fig)
-        written.append(f"{stage}_reward.png")
-    rows = [r for r in train if "tok_per_sec" in r]
-    if rows:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-        ax.plot([r["step"] for r in rows], [r["tok_per_sec"] for r in rows], lw=1)
-        ax.set(xlabel="step", ylabel="tokens/s", title=f"{stage}: training throughput")
-        ax.set_ylim(bottom=0)
-        fig.tight_layout()
-        _save_png(fig, os.path.join(out_dir, f"{stage}_tokens_per_sec.png"))
-        plt.close(fig)
-        written.append(f"{stage}_tokens_per_sec.png")
-    return written
 
 
 # ----------------------------------------------------------------------------- markdown
@@ -384,7 +278,9 @@ def _assemble(run_name, out_dir):
         mfu = f"{100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
         rows.append(f"| {stage} | {(wall or 0) / 60:.2f} | {tps} | {mfu} | {val} | {acc} |")
     head = [f"# nanotrain report card: {run_name}", "",
-            f"Updated {time.strftime('%Y-%m-%d %H:%M:%S')}. Total time of the stages: {total / 60:.2f} min.", "",
+            f"Updated {time.strftime('%Y-%m-%d %H:%M:%S')}. Total time of the stages below: {total / 60:.2f} min "
+            f"(the wall time each stage's script recorded; the tokenizer, data downloads and the base model's CORE "
+            f"evaluation are not counted).", "",
             "| stage | minutes | tokens/s | MFU | validation | chat eval |", "|---|---:|---:|---:|---|---|", *rows, ""]
     path = os.path.join(out_dir, "report.md")
     atomic_write_text(path, "\n".join(head) + "\n" + "\n".join(sections))

@@ -12,7 +12,7 @@ render_conversation) to the tensors a training step runs on:
   split into micro-batches and ranks (the scale is nanotrain.training.forward_backward's loss_scale; a mean per
   micro-batch would weight the tokens of short micro-batches more: the gradient-accumulation bug that Hugging Face
   transformers fixed in 2024).
-Mid-training's token stream of concatenated conversations is nanotrain.dataloader.ConversationTokenStream.
+- ConversationTokenStream: mid-training's rows, conversations concatenated and cut as pretraining cuts documents.
 
 Targets use IGNORE_INDEX = -1 (GPT.forward's ignore index) for every position that is not trained.
 """
@@ -268,3 +268,71 @@ def evaluate_loss(model, batches, autocast_ctx=None, stop=None):
     if is_distributed():
         dist.all_reduce(stats, op=dist.ReduceOp.SUM)
     return (stats[0] / stats[1]).item() if stats[1].item() > 0 else float("nan")
+
+
+# ----------------------------------------------------------------------------- mid-training token stream
+class ConversationTokenStream:
+    """
+    Mid-training rows (nanochat mid_train): the token lists of the conversations (list of list[int], e.g. rendered
+    conversations, every token trained), concatenated in epoch_order and cut into rows of
+    max_seq_len + 1 tokens as in pretraining; next_batch() returns (x, y) int64 (batch_size, max_seq_len) on `device`
+    with y the next tokens.
+    Conversations run across row boundaries and attention is causal over the whole row, like base_train.
+    State: (epoch, offset of the conversation holding the next unseen token in the epoch's order, token index in
+    it), so resume continues at exactly the next unseen token. Loops over epochs forever. Raises ValueError if there
+    are no tokens.
+    """
+
+    def __init__(self, token_lists, batch_size, max_seq_len, device="cpu", seed=0, shuffle=True):
+        self.tokens = [np.asarray(t, dtype=np.int64) for t in token_lists]
+        if sum(len(t) for t in self.tokens) == 0:
+            raise ValueError("ConversationTokenStream: no tokens")
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        self.device, self.seed, self.shuffle = torch.device(device), seed, shuffle
+        self.epoch, self.offset, self.token = 0, 0, 0
+        self._order_epoch, self._order = None, None
+
+    @property
+    def tokens_per_epoch(self):
+        """Total tokens of one pass over the conversations (int)."""
+        return sum(len(t) for t in self.tokens)
+
+    def state_dict(self):
+        """{"epoch", "offset", "token"} (ints) of the next unseen token."""
+        return {"epoch": self.epoch, "offset": self.offset, "token": self.token}
+
+    def load_state_dict(self, state):
+        """Continues from state_dict() of a stream over the same conversations."""
+        self.epoch, self.offset, self.token = int(state["epoch"]), int(state["offset"]), int(state["token"])
+
+    def _take(self, n):
+        parts, got = [], 0
+        while got < n:
+            if self._order_epoch != self.epoch:
+                self._order = epoch_order(len(self.tokens), self.seed, self.epoch, self.shuffle)
+                self._order_epoch = self.epoch
+            if self.offset == len(self._order):
+                self.epoch, self.offset, self.token = self.epoch + 1, 0, 0
+                continue
+            toks = self.tokens[self._order[self.offset]]
+            piece = toks[self.token:self.token + (n - got)]
+            parts.append(piece)
+            got += len(piece)
+            self.token += len(piece)
+            if self.token >= len(toks):
+                self.offset, self.token = self.offset + 1, 0
+        return np.concatenate(parts)
+
+    def next_batch(self, batch_size=None):
+        """The next (x, y), each int64 (batch_size, max_seq_len) on the device; batch_size defaults to the stream's.
+        n rows at once are the same tokens as n calls of one row each."""
+        B, T = batch_size or self.batch_size, self.max_seq_len
+        rows = torch.from_numpy(self._take(B * (T + 1))).view(B, T + 1)
+        x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return x.to(self.device), y.to(self.device)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next_batch()

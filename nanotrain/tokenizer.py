@@ -10,7 +10,7 @@ Saved as plain data (no pickle) under <base_dir>/tokenizer/:
 The two files are one unit: saved together by one directory rename (Tokenizer.save, nanotrain.durable), and every
 load checks that token_bytes.npy holds the byte lengths of the tokenizer.json beside it (get_token_bytes).
 
-Chat format (render_conversation / render_for_completion / chat_messages): nanochat's layout of user and assistant
+Chat format (render_conversation / render_for_completion; the schema is nanotrain.conversation): nanochat's layout of user and assistant
 turns between special tokens, with a mask that trains the assistant's tokens only.
 """
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from nanotrain.common import UserError, atomic_write_text, get_base_dir
+from nanotrain.conversation import chat_messages, messages_list
 from nanotrain.durable import best_copy, commit, fsync_path, recover
 
 SPECIAL_TOKENS = [
@@ -188,10 +189,6 @@ class Tokenizer:
         """Decodes a sequence of ids to a str (special tokens as their strings; broken UTF-8 becomes U+FFFD)."""
         return self.enc.decode(list(ids))
 
-    def id_to_token(self, token_id):
-        """The bytes of one token id (the special token's UTF-8 string for special ids)."""
-        return self.enc.decode_single_token_bytes(token_id)
-
     def render_conversation(self, conversation, max_tokens=2048):
         """
         Renders a chat conversation for training, nanochat's format (karpathy/nanochat, tokenizer.py):
@@ -239,7 +236,7 @@ class Tokenizer:
         Returns list[int]. Raises ValueError for a malformed conversation or one that (after dropping the assistant's
         last message) does not end with a user message.
         """
-        messages = list(_messages_list(conversation))
+        messages = list(messages_list(conversation))
         if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
             messages.pop()
         if not messages or not isinstance(messages[-1], dict) or messages[-1].get("role") != "user":
@@ -308,62 +305,6 @@ def _validate(data):
     if data["vocab_size"] != n + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {data['vocab_size']} != {n} merges + {len(SPECIAL_TOKENS)} special tokens")
     return ranks, pattern
-
-
-CHAT_PART_TYPES = ("text", "python", "python_output")
-
-
-def _messages_list(conversation):
-    if not isinstance(conversation, dict) or not isinstance(conversation.get("messages"), list):
-        raise ValueError('expected a conversation {"messages": [...]} with a list of messages')
-    return conversation["messages"]
-
-
-def chat_messages(conversation):
-    """
-    The (role, content) turns of a conversation as the chat format renders them: a leading system message folded into
-    the first user message (system text + "\n\n" + user text), then user and assistant alternating, starting with
-    the user. Checks the structure only (empty text is allowed here; nanotrain.conversations.validate_conversation is stricter).
-    Raises ValueError with a one-line reason: not a dict with a "messages" list, no messages, a message that is not
-    {"role", "content"}, an unknown role, a system message that is not first or not followed by a user message,
-    roles out of order, user/system content that is not a str, or assistant content that is neither a str nor a list
-    of parts {"type": "text"|"python"|"python_output", "text": str}.
-    """
-    messages = _messages_list(conversation)
-    if not messages:
-        raise ValueError("the conversation has no messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError(f"message {i} must be an object with \"role\" and \"content\"")
-        role, content = m["role"], m["content"]
-        if role not in ("system", "user", "assistant"):
-            raise ValueError(f"message {i} has role {role!r}; expected 'system', 'user' or 'assistant'")
-        if role == "system" and i != 0:
-            raise ValueError(f"message {i} is a system message; only the first message may be one")
-        if role in ("system", "user") and not isinstance(content, str):
-            raise ValueError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
-        if role == "assistant" and not isinstance(content, str):
-            if not isinstance(content, list):
-                raise ValueError(f"message {i} (assistant): content must be a string or a list of parts, "
-                                 f"got {type(content).__name__}")
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") in CHAT_PART_TYPES
-                        and isinstance(part.get("text"), str)):
-                    raise ValueError(f"message {i} (assistant) part {j}: expected {{\"type\": one of "
-                                     f"{'/'.join(CHAT_PART_TYPES)}, \"text\": string}}")
-        out.append((role, content))
-    if out[0][0] == "system":
-        if len(out) < 2 or out[1][0] != "user":
-            raise ValueError("the system message must be followed by a user message")
-        out = [("user", out[0][1] + "\n\n" + out[1][1])] + out[2:]
-    for i, (role, _) in enumerate(out):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if role != expected:
-            n = i + (len(messages) - len(out))  # index in the original messages
-            raise ValueError(f"message {n} has role {role!r} but {expected!r} was expected "
-                             f"(user and assistant must alternate, starting with the user)")
-    return out
 
 
 def get_tokenizer_dir():

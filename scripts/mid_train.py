@@ -47,13 +47,13 @@ from nanotrain.common import (
     synchronize,
 )
 from nanotrain.configurator import configure
-from nanotrain.conversations import load_task_mixture
-from nanotrain.dataloader import ConversationTokenStream
 from nanotrain.engine import Engine
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.osft import setup_osft
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
+from nanotrain.sft_data import ConversationTokenStream
+from nanotrain.tasks.registry import load_task_mixture
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
     check_finite,

@@ -153,7 +153,7 @@ def spawn_ranks(worker, args, nprocs=2, timeout_s=90):
 
 
 def write_benchmark_copy(folder):
-    """A local copy of the five chat benchmarks in the hub's layout (nanotrain.benchmarks.HUB), 3 rows each:
+    """A local copy of the five chat benchmarks in the hub's layout (each task's hub_test), 3 rows each:
     ARC-Easy/ARC-Challenge as parquet, MMLU as JSONL, GSM8K as parquet, HumanEval as parquet. Returns the folder."""
     import json
 

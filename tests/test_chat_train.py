@@ -95,8 +95,8 @@ def test_mid_then_sft_train_reload_and_resume(chat_base, tmp_path, monkeypatch):
     # the checkpoint reloads and gives the logged val loss (same data, same token weighting)
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(chat_base))
     from nanotrain.checkpoint import load_model
-    from nanotrain.conversations import load_task_mixture
     from nanotrain.sft_data import evaluate_loss, fit_conversation, lpt_pack, micro_batch
+    from nanotrain.tasks.registry import load_task_mixture
     model, tokenizer, path, meta = load_model("sft", "s1")
     assert path.endswith("step_000016") and meta["config"]["run_name"] == "s1"
     convs = load_task_mixture(f"{TASKS},jsonl:{jsonl}", "val", 42, skip_bad_rows=True)[:32]

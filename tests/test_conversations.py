@@ -1,5 +1,5 @@
 """
-Tests of nanotrain/conversations.py: conversation validation, JSONL / Hugging Face loading (file:line errors,
+Tests of nanotrain/conversation.py and nanotrain/tasks/{jsonl,registry}.py: conversation validation, JSONL / Hugging Face loading (file:line errors,
 skip_bad_rows) and weighted task mixtures.
 """
 
@@ -10,14 +10,9 @@ from collections import Counter
 import pytest
 
 from nanotrain.common import UserError
-from nanotrain.conversations import (
-    load_hf,
-    load_jsonl,
-    load_task_mixture,
-    parse_task_spec,
-    validate_conversation,
-)
-from nanotrain.tasks import VAL_ROWS, load_task
+from nanotrain.conversation import validate_conversation
+from nanotrain.tasks.jsonl import load_hf, load_jsonl
+from nanotrain.tasks.registry import TASKS, load_task_mixture, parse_task_spec
 
 GOOD = {"messages": [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]}
 
@@ -78,7 +73,7 @@ def test_load_jsonl_skip_bad_rows_counts(tmp_path):
     raw = open(path, "rb").read().replace(b"INVALID_UTF8", b'{"messages": "\xff\xfe"}')
     open(path, "wb").write(raw)
     rows, skipped = load_jsonl(path, skip_bad_rows=True)
-    assert skipped == 4
+    assert len(skipped) == 4
     assert [r["messages"] for r in rows] == [GOOD["messages"], conv("x", "y")["messages"], conv("p", "q")["messages"]]
     assert all(r["task"] == "jsonl" for r in rows)
 
@@ -96,14 +91,14 @@ def test_load_hf_local_files_and_offline_error(base_dir, tmp_path, monkeypatch):
     path = write_jsonl(tmp_path / "chat.jsonl", rows)
     train, skipped = load_hf(path, "train")
     val, _ = load_hf(path, "val")
-    assert skipped == 0
+    assert skipped == []
     assert [r["messages"] for r in val] == [rows[i]["messages"] for i in (0, 20, 40)]
     assert [r["messages"] for r in train] == [rows[i]["messages"] for i in range(45) if i not in (0, 20, 40)]
     assert len(train) == 42 and all(r["task"] == "hf" for r in train)
     bad = write_jsonl(tmp_path / "bad.jsonl", rows[:3] + [conv("q", "a", "q")])
     with pytest.raises(UserError, match=re.escape(f"{bad}[train] row 3: the last message")):
         load_hf(bad, "train")
-    assert load_hf(bad, "train", skip_bad_rows=True)[1] == 1
+    assert len(load_hf(bad, "train", skip_bad_rows=True)[1]) == 1
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: connection refused at once
@@ -117,8 +112,8 @@ def test_mixture_weights_and_determinism(base_dir, tmp_path):
     Weight 2 puts every row in twice, 0.5 a half, 1.5 all once plus half; the same seed gives the same order, another
     seed another order; val ignores weights. Catches weights read as probabilities or applied to val.
     """
-    arith = load_task("arith", "train", 0)
-    ident = load_task("identity", "train", 0)
+    arith = TASKS["arith"].load("train", seed=0)[0]
+    ident = TASKS["identity"].load("train", seed=0)[0]
     key = lambda r: json.dumps(r, sort_keys=True)
     counts = Counter(key(r) for r in load_task_mixture("arith:2,identity:0.5", "train", seed=0))
     assert sum(counts.values()) == 2 * len(arith) + len(ident) // 2
@@ -129,7 +124,7 @@ def test_mixture_weights_and_determinism(base_dir, tmp_path):
     first = load_task_mixture("arith,spell:1,identity:2", "train", seed=0)
     assert first == load_task_mixture("arith,spell:1,identity:2", "train", seed=0)
     assert first != load_task_mixture("arith,spell:1,identity:2", "train", seed=1)
-    assert len(load_task_mixture("arith:3,identity:0.1", "val")) == VAL_ROWS["arith"] + VAL_ROWS["identity"]
+    assert len(load_task_mixture("arith:3,identity:0.1", "val")) == TASKS["arith"].rows["val"] + TASKS["identity"].rows["val"]
     # a JSONL source: every 20th row is val (rows 0 and 20 of 40), the rest train
     rows = [conv(f"q{i}", f"a{i}") for i in range(40)]
     path = write_jsonl(tmp_path / "c.jsonl", rows)

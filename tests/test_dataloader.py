@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from nanotrain.common import UserError
-from nanotrain.dataloader import ConversationTokenStream, TokenLoader
+from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
+from nanotrain.sft_data import ConversationTokenStream
 
 pytestmark = pytest.mark.unit
 

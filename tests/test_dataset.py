@@ -11,15 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from nanotrain.builtin_corpus import build_builtin_corpus, builtin_stats, content_hash
 from nanotrain.common import UserError
-from nanotrain.dataset import (
-    build_builtin_corpus,
-    builtin_stats,
-    content_hash,
-    fineweb_shard_name,
-    iter_documents,
-    resolve_data_files,
-)
+from nanotrain.dataset import fineweb_shard_name, iter_documents, resolve_data_files
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +89,7 @@ def test_builtin_concurrent_builds(tmp_path):
     go = tmp_path / "go"
     code = (
         "import os, sys, time\n"
-        "from nanotrain.dataset import build_builtin_corpus\n"
+        "from nanotrain.builtin_corpus import build_builtin_corpus\n"
         "open(sys.argv[1], 'w').close()\n"
         f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
         "print(build_builtin_corpus())\n"

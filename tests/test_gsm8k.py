@@ -1,5 +1,5 @@
 """
-GSM8K as tool-calling conversations (nanotrain/gsm8k.py): the <<expr=result>> annotations become calculator calls,
+GSM8K as tool-calling conversations (nanotrain/tasks/gsm8k.py): the <<expr=result>> annotations become calculator calls,
 the final "#### N" is graded, the loader reads the hub's file layout (a local parquet copy written here, so the
 online code path runs offline), and offline without a copy it is one line within seconds.
 """
@@ -10,9 +10,8 @@ import pytest
 
 from nanotrain.calculator import calculate
 from nanotrain.common import UserError
-from nanotrain.conversations import load_task_mixture
-from nanotrain.gsm8k import grade_gsm8k, gsm8k_conversation, load_gsm8k
-from nanotrain.tasks import grade
+from nanotrain.tasks.gsm8k import grade_gsm8k, gsm8k_conversation
+from nanotrain.tasks.registry import TASKS, grade, load_task_mixture
 
 pytestmark = pytest.mark.unit
 
@@ -68,9 +67,9 @@ def test_loader_reads_the_hub_layout_from_a_local_copy(tmp_path):
                    tmp_path / "main" / "test-00000-of-00001.parquet")
     train = load_task_mixture(f"gsm8k:{tmp_path}", "train", seed=0)
     assert sorted(c["answer"] for c in train) == ["26", "4"]
-    assert load_gsm8k("train", str(tmp_path))[1]["messages"][0]["content"] == "What is 2 + 2?"
+    assert TASKS["gsm8k"].load("train", str(tmp_path))[0][1]["messages"][0]["content"] == "What is 2 + 2?"
     with pytest.raises(UserError, match="GSM8K test row 0: cannot be rendered"):
-        load_gsm8k("val", str(tmp_path))
+        TASKS["gsm8k"].load("val", str(tmp_path))
 
 
 def test_offline_is_one_line_within_seconds(tmp_path, monkeypatch):
@@ -85,4 +84,4 @@ def test_offline_is_one_line_within_seconds(tmp_path, monkeypatch):
         load_task_mixture("gsm8k", "train")
     assert time.time() - t0 < 10 and "\n" not in str(e.value)
     with pytest.raises(UserError, match="no such directory"):
-        load_gsm8k("train", str(tmp_path / "missing"))
+        TASKS["gsm8k"].load("train", str(tmp_path / "missing"))

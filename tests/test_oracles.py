@@ -20,11 +20,12 @@ from helpers import sft_backward
 
 from nanotrain.autobatch.search import candidate_batch_sizes
 from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
-from nanotrain.dataloader import ConversationTokenStream, TokenLoader
+from nanotrain.dataloader import TokenLoader
 from nanotrain.gpt import GPT, GPTConfig, config_from_depth
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.sft_data import (
     IGNORE_INDEX,
+    ConversationTokenStream,
     count_targets,
     evaluate_loss,
     global_target_count,

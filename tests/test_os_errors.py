@@ -313,7 +313,7 @@ def test_report_card_that_cannot_be_written_is_a_warning_and_leaves_no_temp_png(
 def test_report_card_matplotlib_cache_goes_under_the_base_dir(tmp_path, monkeypatch):
     """use_plot_cache_dir sets MPLCONFIGDIR to <base>/matplotlib when unset and keeps a user's value. Catches
     matplotlib writing its font cache under $HOME (the default), or overriding the user's choice."""
-    from nanotrain.report import use_plot_cache_dir
+    from nanotrain.report_plots import use_plot_cache_dir
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("MPLCONFIGDIR", raising=False)
     use_plot_cache_dir()
@@ -413,7 +413,8 @@ def test_skip_bad_rows_is_suggested_only_where_the_script_has_the_flag(tmp_path)
     """A bad JSONL row's error suggests --skip_bad_rows=True for chat_sft (which passes its flag, False by default),
     never for mid_train and chat_eval, which have no such flag (they call without it). Catches suggesting a flag the
     script refuses as unknown."""
-    from nanotrain.conversations import load_jsonl, load_task_mixture
+    from nanotrain.tasks.jsonl import load_jsonl
+    from nanotrain.tasks.registry import load_task_mixture
     path = tmp_path / "bad.jsonl"
     path.write_text('{"messages": []}\n')
     with pytest.raises(UserError) as e:

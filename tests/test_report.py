@@ -7,7 +7,8 @@ import shutil
 import pytest
 from helpers import TINY_TRAIN, run_script
 
-from nanotrain.report import STAGES, SUBSECTIONS, main, read_metrics, report_dir, write_section
+from nanotrain.report import STAGES, SUBSECTIONS, main, report_dir, write_section
+from nanotrain.report_plots import read_metrics
 
 pytestmark = pytest.mark.smoke
 PNG = b"\x89PNG\r\n\x1a\n"

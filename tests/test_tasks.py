@@ -1,13 +1,17 @@
 """
-Tests of nanotrain/tasks.py: the built-in tasks (determinism, sizes, disjoint splits) and grading.
+Tests of nanotrain/tasks/ (arith, spell, identity, registry): the built-in tasks (determinism, sizes, disjoint splits) and grading.
 """
 
 import re
 
 import pytest
 
-from nanotrain.conversations import validate_conversation
-from nanotrain.tasks import BUILTIN_TASKS, TRAIN_ROWS, VAL_ROWS, grade, load_task
+from nanotrain.conversation import validate_conversation
+from nanotrain.tasks.registry import BUILTIN_TASKS, TASKS, grade
+
+
+def load_task(name, split, seed=0):
+    return TASKS[name].load(split, seed=seed)[0]
 
 
 def conv(*turns):
@@ -25,7 +29,7 @@ def test_builtin_tasks_deterministic_sized_and_self_consistent(base_dir, name):
     """
     a, b, c = load_task(name, "train", seed=0), load_task(name, "train", seed=0), load_task(name, "train", seed=1)
     assert a == b and a != c
-    assert len(a) == TRAIN_ROWS[name] and len(load_task(name, "val")) == VAL_ROWS[name]
+    assert len(a) == TASKS[name].rows["train"] and len(load_task(name, "val")) == TASKS[name].rows["val"]
     for row in a[:300] + load_task(name, "val"):
         assert validate_conversation(row) is None and row["task"] == name
         assert grade(row, reply_text(row["messages"][-1]["content"]))
@@ -106,7 +110,7 @@ def test_grade_right_and_wrong(base_dir):
 def test_wilson_interval_literal_values():
     """Published values of the 95% Wilson interval (Newcombe 1998, table I: 0/10 -> [0, 0.2775], 5/10 ->
     [0.2366, 0.7634], 81/263 -> [0.2553, 0.3662]). Catches the normal approximation (zero width at 0/10)."""
-    from nanotrain.tasks import wilson_interval
+    from nanotrain.tasks.common import wilson_interval
     for (k, n), want in {(0, 10): (0.0, 0.2775), (5, 10): (0.2366, 0.7634), (81, 263): (0.2553, 0.3662)}.items():
         assert wilson_interval(k, n) == pytest.approx(want, abs=1e-4)
     assert wilson_interval(0, 0) == (0.0, 1.0)

