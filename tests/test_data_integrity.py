@@ -302,3 +302,29 @@ def test_a_damaged_pinned_benchmark_is_fetched_again(kind, base_dir, tmp_path, m
         with pytest.raises(UserError) as e:
             TASKS["arc_easy"].load("test", "pinned")
         _one_line(e, f"{path}: same 2 rows but sha256", "fetching it again failed", "cannot download")
+
+
+def test_a_malformed_local_copy_names_file_and_line(base_dir, tmp_path):
+    """A local copy of a benchmark (--data=/folder): a JSONL file whose second line is cut, or holds bad UTF-8, is one
+    line naming file:2; a parquet file cut short is one line naming the file. `datasets` alone said "An error occurred
+    while generating the dataset", naming neither."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nanotrain.tasks.registry import TASKS
+    row = {"id": "a0", "question": "Q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A"}
+    folder = tmp_path / "copy"
+    (folder / "ARC-Easy").mkdir(parents=True)
+    jsonl = folder / "ARC-Easy" / "test-00000-of-00001.jsonl"
+    for second in (json.dumps(row)[:30].encode(), json.dumps(row).replace("Q?", "Q\udcff?").encode("utf-8", "surrogateescape")):
+        jsonl.write_bytes(json.dumps(row).encode() + b"\n" + second + b"\n")
+        with pytest.raises(UserError) as e:
+            TASKS["arc_easy"].load("test", str(folder))
+        _one_line(e, f"{jsonl}:2: not a UTF-8 JSON line")
+    os.remove(jsonl)
+    parquet = folder / "ARC-Easy" / "test-00000-of-00001.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), parquet)
+    parquet.write_bytes(parquet.read_bytes()[:-30])
+    with pytest.raises(UserError) as e:
+        TASKS["arc_easy"].load("test", str(folder))
+    _one_line(e, f"{parquet}: not a readable parquet file")
