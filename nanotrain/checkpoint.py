@@ -82,6 +82,33 @@ def _free_bytes(path):
         return None
 
 
+SAVES = {"writing": None, "written": None, "after_stop": False}  # this process's saves, for interrupted_line
+
+
+def interrupted_line():
+    """
+    The line a training script prints when a second Ctrl-C ends it (nanotrain.common.run_script): whether the
+    checkpoint of the step in progress was written, from this process's saves (SAVES) and, for a save the Ctrl-C
+    broke into, the disk (a copy that reached its marker is complete: nanotrain.durable). Always names --resume=True.
+    """
+    writing, written = SAVES["writing"], SAVES["written"]
+    head = "interrupted by a second Ctrl-C"
+    if writing is not None:
+        step = step_of(writing)
+        if best_copy(writing, MARKER) is not None:
+            return (f"{head} once step {step}'s checkpoint was written ({writing}); run again with --resume=True to "
+                    f"continue from it")
+        return (f"{head} while step {step}'s checkpoint was being written: it was NOT written (its unfinished files "
+                f"are ignored); run again with --resume=True to continue from the previous checkpoint")
+    if written is not None and SAVES["after_stop"]:
+        return (f"{head} after this step's checkpoint was written (step {step_of(written)}: {written}); run again "
+                f"with --resume=True to continue from it")
+    newest = f"the newest one this run wrote is step {step_of(written)} ({written})" if written else \
+        "this run wrote none"
+    return (f"{head} before the checkpoint of the step in progress was written ({newest}); run again with "
+            f"--resume=True to continue from the last checkpoint")
+
+
 def _save_failed(exc, root, final, tmp, rank):
     """The one-line UserError for a checkpoint write that failed with `exc`, after removing the unfinished `tmp`."""
     free = _free_bytes(root)  # measured before the cleanup gives the space back
@@ -116,6 +143,9 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
+    stop = sys.modules.get("nanotrain.stop")  # looked up, not imported: importing it installs signal handlers
+    after_stop = bool(stop is not None and stop.requested)
+    SAVES["writing"] = final
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         for s in sorted({p[0] for p in map(_parse_name, os.listdir(root)) if p is not None}):
@@ -153,6 +183,7 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
             for path in list_checkpoints(run_dir)[:-keep_last]:
                 remove_dir(path, MARKER)
     barrier()
+    SAVES.update(writing=None, written=final, after_stop=after_stop)
     return final
 
 

@@ -193,8 +193,10 @@ def run_script(main, trains=False):
     except UserError as e:
         die(str(e))
     except KeyboardInterrupt:
-        die("interrupted by a second Ctrl-C before the step in progress was saved; run again with --resume=True to "
-            "continue from the last checkpoint" if trains else "interrupted (Ctrl-C)", 130)
+        checkpoint = sys.modules.get("nanotrain.checkpoint")  # looked up, not imported (it imports this module)
+        die(checkpoint.interrupted_line() if trains and checkpoint is not None else
+            "interrupted by a second Ctrl-C; run again with --resume=True to continue from the last checkpoint"
+            if trains else "interrupted (Ctrl-C)", 130)
     except OSError as e:
         line = os_error_line(e, trains)
         if line is None:
