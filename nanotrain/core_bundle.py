@@ -270,7 +270,7 @@ def _build(base, final):
                 shutil.rmtree(p)
         download(url, zip_path, f"the CORE eval bundle ({BUNDLE_SIZE})",
                  f"no network? fetch eval_bundle.zip elsewhere and set {URL_ENV}=file:///path/eval_bundle.zip, or "
-                 f"pass --eval_bundle=DIR (the unzipped eval_bundle directory)")
+                 f"pass --eval_bundle=DIR {OWN_FLAG} (an unzipped bundle, used unchecked against the pinned one)")
         check_zip(zip_path, url)
         with zipfile.ZipFile(zip_path) as z:
             z.extractall(unzip, [m for m in z.namelist() if m.startswith(BUNDLE_DIR + "/")])
