@@ -21,9 +21,10 @@ from unittest import mock
 import torch
 
 from nanotrain.checkpoint import save_checkpoint
-from nanotrain.common import autodetect_device_type, get_base_dir, rng_state, run_script, synchronize
+from nanotrain.common import autodetect_device_type, get_base_dir, rng_state, run_script
 from nanotrain.configurator import configure
 from nanotrain.gpt import GPT, config_from_depth
+from nanotrain.hardware import synchronize
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 
 depth = 4  # model depth (model_dim = 64 * depth), as in runs/cpu.sh

@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from nanotrain.common import autodetect_device_type, run_script, synchronize
+from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.gpt import GPT, config_from_depth
+from nanotrain.hardware import synchronize
 from nanotrain.osft import MATRIX_PATTERNS, OSFT, parse_matrices
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 

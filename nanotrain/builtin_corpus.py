@@ -19,7 +19,8 @@ import tempfile
 import time
 import warnings
 
-from nanotrain.common import UserError, get_base_dir
+from nanotrain.common import get_base_dir
+from nanotrain.errors import UserError
 
 BUILTIN_SEED = 42  # shuffle seed of the builtin corpus
 BUILTIN_DOC_CHARS = 2000  # a long module/class is cut into documents of about this many characters (or more)

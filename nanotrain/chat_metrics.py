@@ -18,7 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.rl import pass_at_k
 from nanotrain.tasks.common import wilson_interval
 from nanotrain.tasks.registry import BENCHMARKS, TASKS, grade

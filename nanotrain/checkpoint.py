@@ -43,16 +43,9 @@ from nanotrain.checkpoint_read import (  # noqa: F401 (CHECKPOINT_FORMAT, load_c
     _parse_name,
     load_checkpoint,
 )
-from nanotrain.common import (
-    UserError,
-    all_reduce_scalar,
-    atomic_write_json,
-    barrier,
-    get_base_dir,
-    git_commit,
-    print0,
-)
+from nanotrain.common import all_reduce_scalar, atomic_write_json, barrier, get_base_dir, git_commit, print0
 from nanotrain.durable import best_copy, commit, fsync_path, is_complete, recover, remove_dir
+from nanotrain.errors import UserError
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
 from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.tensor_file import CheckpointError, load_tensor_file  # noqa: F401 (CheckpointError: interface)

@@ -1,37 +1,30 @@
 """
 Runtime helpers shared by every script: device choice, torchrun / torch.distributed set-up and tear-down, scalar
-all-reduces, rank-0 printing, seeding and RNG state, the base directory for data and checkpoints, one-line errors (bad
-input, the operating system's errors on the script's paths, Ctrl-C) and the script runner, atomic writes, the matmul
-throughput used as the MFU peak, and whether this device computes bf16 matmuls fast (fast_bf16: the default compute
-dtype and Muon's Newton-Schulz dtype both ask it).
-This module imports nothing else of nanotrain: every other module may import it.
+all-reduces, rank-0 printing, seeding and RNG state, the base directory for data and checkpoints, the script runner
+(one `error:` line and an exit code for the errors of nanotrain.errors and Ctrl-C), atomic writes, the git commit.
+It imports only nanotrain.errors; every other module may import it. What the device can do (peak FLOP/s, fast bf16):
+nanotrain.hardware.
 """
 
 import atexit
 import contextlib
-import errno
 import json
 import os
 import random
-import shutil
-import stat
 import subprocess
 import sys
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from nanotrain.errors import OS_ERRNOS, UserError, base_dir_setting, os_error_line, path_kind
 
 # CUDA caching allocator: expandable segments (grow a segment instead of allocating a new one) cut fragmentation when
 # shapes vary (eval vs train, packed SFT rows, the auto batch size probes). Read when CUDA's allocator starts, so it is
 # set here, at import, before any script touches CUDA; a value the user set in either variable wins. Harmless on CPU.
 if not (os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
     os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-
-
-class UserError(Exception):
-    """Bad input from the user (a flag, a file, a setting). Scripts print it as one line and exit non-zero."""
 
 
 def die(msg, code=2):
@@ -62,108 +55,6 @@ def exit_process(code=0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-# the errnos of an OSError that a script reports as one line naming the path: the user's environment, not a bug (a
-# full disk or quota, a read-only file system, no permission, a file where a directory belongs or the reverse)
-OS_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EEXIST, errno.ENOTDIR,
-             errno.EISDIR}
-DEFAULT_BASE_DIR = os.path.join("~", ".cache", "nanotrain")  # expanded by get_base_dir
-
-
-def _base_dir_setting():
-    """The base directory get_base_dir would use (absolute), without creating it."""
-    return os.path.abspath(os.environ.get("NANOTRAIN_BASE_DIR") or os.path.expanduser(DEFAULT_BASE_DIR))
-
-
-def _kind(path):
-    """What is at `path`, in words: "a directory", "a regular file", "a symbolic link", "something else" or
-    "nothing" (absent)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return "nothing"
-    return ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else
-            "a symbolic link" if stat.S_ISLNK(mode) else "something else")
-
-
-def _first_non_directory(path):
-    """The first of `path`'s ancestors (or `path` itself) that exists and is not a directory; None if none is."""
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(2, len(parts) + 1):
-        prefix = os.sep.join(parts[:i])
-        if os.path.lexists(prefix) and not os.path.isdir(prefix):
-            return prefix
-    return None
-
-
-def os_error_line(exc, trains=False):
-    """
-    The one line (str, without the "error: " prefix) a script prints for the OSError `exc` when its errno is one of
-    OS_ERRNOS: the path (exc.filename; exc.filename2, a rename's target, when that is the path of the wrong kind),
-    the system's reason and what to do: free space (then --resume=True when `trains`, the script trains and saves
-    checkpoints), point NANOTRAIN_BASE_DIR at a writable directory or fix the permissions, move away the file or
-    directory of the wrong kind. Returns None for any other exception or errno (its traceback is kept).
-    """
-    if not isinstance(exc, OSError) or exc.errno not in OS_ERRNOS:
-        return None
-    code = exc.errno
-    src = os.fsdecode(exc.filename) if exc.filename is not None else None
-    dst = os.fsdecode(exc.filename2) if exc.filename2 is not None else None
-    if dst is not None and code in (errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
-        where = path = dst
-    else:
-        path = src
-        where = f"{src} -> {dst}" if dst is not None else src
-    where = where or "(a file this script writes; the system did not name it)"
-    why = f"{exc.strerror or os.strerror(code)} ({errno.errorcode.get(code, code)})"
-    base = _base_dir_setting()
-    in_base = path is not None and os.path.abspath(path).startswith(base + os.sep)
-    elsewhere = (f"point NANOTRAIN_BASE_DIR (now {base}) at a directory you can write" if in_base or path is None
-                 else "choose another path")
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        todo = ("free some space on that file system (or raise your quota), then run again"
-                + (" with --resume=True to continue from the last checkpoint" if trains else ""))
-    elif code == errno.EROFS:
-        todo = f"the file system is mounted read-only: {elsewhere}, or remount it read-write"
-    elif code in (errno.EACCES, errno.EPERM):
-        todo = f"fix the permissions of that path or of its directory, or {elsewhere}"
-    elif code == errno.EISDIR:
-        todo = "that is a directory where a file is expected: move it away, then run again"
-    elif code == errno.ENOTDIR:
-        culprit = _first_non_directory(path) if path else None
-        todo = ("a directory is expected on that path: move the file in its way, then run again" if not culprit else
-                f"that is {_kind(culprit)} where a directory is expected: move it away, then run again"
-                if culprit == os.path.abspath(path) else
-                f"{culprit} is {_kind(culprit)} where a directory is expected: move it away, then run again")
-    elif path is not None and os.path.isdir(path):  # EEXIST
-        todo = "that exists already: move it away, then run again"
-    else:
-        todo = f"that is {_kind(path)} where a directory is expected: move it away, then run again"
-    return f"{where}: {why}: {todo}"
-
-
-@contextlib.contextmanager
-def os_errors_name(path):
-    """
-    Re-raises an OSError that does not name the file the user knows as an OSError of the same errno that does: one
-    without a file name (a write, flush or fsync of an open file: the system does not name it) names `path` (str);
-    one naming a temporary file NAME.tmp<suffix> (removed by then) names NAME. Other errors pass unchanged.
-    """
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno is None or exc.filename2 is not None:
-            raise
-        if exc.filename is None:
-            name = path
-        else:
-            head, tail = os.path.split(os.fsdecode(exc.filename))
-            cut = tail.rfind(".tmp")
-            if cut <= 0:
-                raise
-            name = os.path.join(head, tail[:cut])
-        raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), name) from exc
 
 
 def run_script(main, trains=False):
@@ -214,11 +105,11 @@ def get_base_dir():
     (one line naming it) when it exists but is not a directory, or cannot be created (read-only file system, no
     permission, a file on its path).
     """
-    base = _base_dir_setting()
+    base = base_dir_setting()
     what = ("NANOTRAIN_BASE_DIR" if os.environ.get("NANOTRAIN_BASE_DIR")
             else "the default base directory; set NANOTRAIN_BASE_DIR to choose another")
     if os.path.exists(base) and not os.path.isdir(base):
-        raise UserError(f"the base directory {base} ({what}) is {_kind(base)}, not a directory: point "
+        raise UserError(f"the base directory {base} ({what}) is {path_kind(base)}, not a directory: point "
                         f"NANOTRAIN_BASE_DIR at a directory, or move that file away")
     try:
         os.makedirs(base, exist_ok=True)
@@ -419,130 +310,3 @@ def git_commit():
         return "unknown"
 
 
-def check_compile_toolchain(device):
-    """
-    torch.compile's inductor backend generates and builds C++ on CPU: raises UserError naming --compile when no C++
-    compiler ($CXX, g++, c++ or clang++) is on the PATH, instead of a long inductor traceback at the first step.
-    A no-op on other devices.
-    """
-    if torch.device(device).type != "cpu":
-        return
-    candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-    if not any(c and shutil.which(c) for c in candidates):
-        raise UserError("--compile=True on CPU needs a C++ compiler (g++ or clang++, or $CXX) for torch.compile; "
-                        "install one or pass --compile=False")
-
-
-def synchronize(device):
-    """Waits for queued device work (CUDA/MPS); a no-op on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-# bf16 dense peak FLOP/s of known accelerators, from the vendors' datasheets
-# (NVIDIA H100 SXM / H200 SXM datasheet: 989.4 TFLOPS dense bf16; A100 datasheet: 312 TFLOPS bf16).
-GPU_PEAK_FLOPS = [
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A10", 125e12),
-    ("4090", 165e12),
-    ("3090", 71e12),
-]
-
-
-def cpu_flags(path="/proc/cpuinfo"):
-    """
-    The CPU's feature flags (a set of str, e.g. {"avx512f", "avx512_bf16", ...}) from the first "flags" line of
-    `path` (Linux on x86), or None where there is no such line or file (macOS; ARM Linux lists "Features" instead).
-    """
-    try:
-        with open(path, errors="replace") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() == "flags":
-                    return set(value.split())
-    except OSError:
-        return None
-    return None
-
-
-def measure_matmul_flops(dtype=torch.float32, n=1024, seconds=1.0, device="cpu"):
-    """
-    Measures the device's dense matmul throughput in FLOP/s with (n, n) @ (n, n) products of `dtype`
-    for about `seconds` seconds (best of repeated timings). Used as the MFU peak on CPU.
-    """
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    dev = torch.device(device)
-    for _ in range(2):
-        a @ b
-    synchronize(dev)
-    best = 0.0
-    t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        synchronize(dev)
-        dt = time.perf_counter() - t0
-        best = max(best, 4 * 2 * n**3 / dt)
-    return best
-
-
-def get_peak_flops(device, dtype=torch.float32):
-    """
-    Peak FLOP/s used for MFU. On CUDA: the bf16 dense figure of a known device from GPU_PEAK_FLOPS, or the measured
-    matmul throughput if the device is not in the table. On CPU/MPS: the matmul throughput measured now in `dtype`.
-    Returns (flops_per_second, source description).
-    """
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:
-            if key in name:
-                return flops, f"{name} bf16 dense datasheet peak"
-        return measure_matmul_flops(torch.bfloat16, 4096, 1.0, device), f"{name} measured bf16 matmul"
-    flops = measure_matmul_flops(dtype, 1024, 0.3, device)
-    return flops, f"measured {str(dtype).replace('torch.', '')} matmul on {device.type}"
-
-
-_FAST_BF16 = {}  # device type -> bool, settled once per process
-BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}  # x86 flags of native bf16 dot products (AVX512-BF16, AMX)
-
-
-def fast_bf16(device):
-    """
-    True if bf16 matmuls are native and fast on `device` (a torch.device or str): always on CUDA; never on devices
-    other than CUDA and CPU; on CPU it depends on the CPU (CPUs that emulate bf16 run it several times slower than
-    fp32). Where the CPU lists its flags (Linux on x86: cpu_flags), native means the avx512_bf16 or amx_bf16 flag,
-    so the answer is the same in every process whatever else the machine is doing (a timing under load could flip
-    it, and a resumed run would then compute differently). Where it lists none, a (512, 512) bf16 matmul must measure
-    at least 2x the fp32 throughput, each timed for 0.05 s (the 2x bar keeps the answer stable under timing noise).
-    Settled once per process and device type, with any dispatch mode (FakeTensorMode, MemTracker) switched off. Under
-    torch.distributed on CPU the ranks agree (one all-reduce MIN: False unless every rank found fast bf16), so DDP
-    replicas run the same numerics; the first call on CPU is then collective: every rank must make it.
-    Asked by nanotrain.training.precision (the default --dtype) and nanotrain.muon.ns_dtype_for. Returns a bool.
-    """
-    kind = torch.device(device).type
-    if kind not in _FAST_BF16:
-        if kind == "cuda":
-            _FAST_BF16[kind] = True
-        elif kind == "cpu":
-            from torch.utils._python_dispatch import _disable_current_modes
-            with _disable_current_modes():  # real tensors even when first asked inside a fake-tensor memory probe
-                flags = cpu_flags()
-                if flags is not None:
-                    fast = bool(flags & BF16_CPU_FLAGS)
-                else:
-                    fp32 = measure_matmul_flops(torch.float32, 512, 0.05)
-                    bf16 = measure_matmul_flops(torch.bfloat16, 512, 0.05)
-                    fast = bf16 >= 2 * fp32
-                # replicas must run the same numerics: False unless every rank found fast bf16 (reduced inside the
-                # guard: under a fake mode .item() of a real tensor is refused)
-                _FAST_BF16[kind] = all_reduce_scalar(fast, "min", "cpu") > 0
-        else:
-            _FAST_BF16[kind] = False
-    return _FAST_BF16[kind]

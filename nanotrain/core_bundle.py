@@ -28,9 +28,10 @@ import shutil
 import time
 import zipfile
 
-from nanotrain.common import UserError, get_base_dir, print0
+from nanotrain.common import get_base_dir, print0
 from nanotrain.downloads import check_manifest, download, ensure_built, file_manifest, read_manifest, write_marker
 from nanotrain.durable import best_copy, is_complete
+from nanotrain.errors import UserError
 
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 URL_ENV = "NANOTRAIN_EVAL_BUNDLE_URL"  # overrides EVAL_BUNDLE_URL (a mirror; file:// works)

@@ -30,8 +30,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, atomic_write_json, atomic_write_text, print0
+from nanotrain.common import atomic_write_json, atomic_write_text, print0
 from nanotrain.core_bundle import load_rows, read_bundle, verify_bundle
+from nanotrain.errors import UserError
 
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234

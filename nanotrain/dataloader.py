@@ -43,8 +43,8 @@ import weakref
 import numpy as np
 import torch
 
-from nanotrain.common import UserError
 from nanotrain.dataset import iter_documents
+from nanotrain.errors import UserError
 
 _THREADS = weakref.WeakSet()  # live prefetch threads, each with its stop event as .stop
 ROW_PACKINGS = ("contiguous", "best_fit", "bos_aligned")  # TokenLoader's row_packing (module docstring)

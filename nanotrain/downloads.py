@@ -17,8 +17,9 @@ import os
 import urllib.error
 import urllib.request
 
-from nanotrain.common import UserError, any_rank, get_base_dir, get_dist_info, print0
+from nanotrain.common import any_rank, get_base_dir, get_dist_info, print0
 from nanotrain.durable import fsync_path, is_complete, recover
+from nanotrain.errors import UserError
 
 try:
     import fcntl

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.calculator import calculate
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.gpt import KVCache
 
 MAX_BATCH = 64  # at most this many prompts share one KV cache

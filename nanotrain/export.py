@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import nanotrain
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig, build_model
 
 FORMAT = "nanotrain-gpt-2"  # 2: value embeddings, smear, backout, lambdas in the model

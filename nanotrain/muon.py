@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from nanotrain.common import fast_bf16
+from nanotrain.hardware import fast_bf16
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz coefficients (Keller Jordan 2024, modded-nanogpt)
 # Polar Express (Amsel, Persson, Musco, Gower 2025, "The Polar Express: Optimal Matrix Sign Methods and Their
@@ -72,7 +72,7 @@ NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def ns_dtype_for(device):
     """
     The Newton-Schulz compute dtype Muon uses on `device` when none is given: torch.bfloat16 where bf16 matmuls are
-    fast (nanotrain.common.fast_bf16: CUDA, as modded-nanogpt and nanochat; on CPU only where they are native), else
+    fast (nanotrain.hardware.fast_bf16: CUDA, as modded-nanogpt and nanochat; on CPU only where they are native), else
     torch.float32 (CPUs that emulate bf16 run it several times slower than fp32). Settled once per process; on CPU
     under torch.distributed the first call is collective, which is why GPT.setup_optimizers makes it on every rank
     before the first step. Returns a torch.dtype.
@@ -139,7 +139,7 @@ class Muon(torch.optim.Optimizer):
     Cautious weight decay ("Cautious Weight Decay", Chen et al. 2025, arXiv:2510.12402) decays only the entries whose
     update already moves them towards zero; it scales with the scheduled lr, so it decays with it.
     ns_dtype: the Newton-Schulz compute dtype, "float32" or "bfloat16" ("" or None: ns_dtype_for the parameter's
-    device: nanotrain.common.fast_bf16); a string so the optimizer state stays loadable with torch.load(weights_only=True).
+    device: nanotrain.hardware.fast_bf16); a string so the optimizer state stays loadable with torch.load(weights_only=True).
     lr, momentum and weight_decay are read from the param group at every step (schedules may change them, e.g. the
     momentum warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped. state_dict/load_state_dict are the
     standard torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p, and with beta2 > 0

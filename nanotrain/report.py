@@ -20,16 +20,8 @@ import time
 
 import torch
 
-from nanotrain.common import (
-    UserError,
-    atomic_write_json,
-    atomic_write_text,
-    die,
-    get_base_dir,
-    git_commit,
-    is_master,
-    os_error_line,
-)
+from nanotrain.common import atomic_write_json, atomic_write_text, die, get_base_dir, git_commit, is_master
+from nanotrain.errors import UserError, os_error_line
 from nanotrain.report_plots import read_metrics, write_plots
 
 STAGES = ("base", "mid", "sft", "rl", "eval")

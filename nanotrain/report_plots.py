@@ -7,7 +7,8 @@ reward and sample length, tokens/s, each against the step. Written atomically; m
 import json
 import os
 
-from nanotrain.common import UserError, get_base_dir, os_errors_name
+from nanotrain.common import get_base_dir
+from nanotrain.errors import UserError, os_errors_name
 
 
 def read_metrics(run_dir):

@@ -15,16 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import (
-    UserError,
-    all_reduce_scalar,
-    any_rank,
-    atomic_write_json,
-    get_base_dir,
-    is_distributed,
-    os_errors_name,
-    print0,
-)
+from nanotrain.common import all_reduce_scalar, any_rank, atomic_write_json, get_base_dir, is_distributed, print0
+from nanotrain.errors import UserError, os_errors_name
 from nanotrain.fsdp import is_fsdp
 from nanotrain.report import write_section_or_warn
 

@@ -12,7 +12,7 @@ import zipfile
 
 import torch
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 
 
 class CheckpointError(UserError):

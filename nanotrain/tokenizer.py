@@ -24,9 +24,10 @@ import shutil
 import numpy as np
 import torch
 
-from nanotrain.common import UserError, atomic_write_text, get_base_dir
+from nanotrain.common import atomic_write_text, get_base_dir
 from nanotrain.conversation import chat_messages, messages_list
 from nanotrain.durable import best_copy, commit, fsync_path, recover
+from nanotrain.errors import UserError
 
 SPECIAL_TOKENS = [
     "<|bos|>",  # every document starts with it

@@ -14,8 +14,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import UserError, any_rank, check_compile_toolchain, fast_bf16
+from nanotrain.common import any_rank
+from nanotrain.errors import UserError
 from nanotrain.fsdp import is_fsdp
+from nanotrain.hardware import check_compile_toolchain, fast_bf16
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -23,7 +25,7 @@ COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def precision(dtype, device):
     """
     Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls (AVX512-BF16
-    or AMX, as nanotrain.common.fast_bf16 decides it once per process; under torch.distributed the ranks agree, so
+    or AMX, as nanotrain.hardware.fast_bf16 decides it once per process; under torch.distributed the ranks agree, so
     every rank must call this), float32 elsewhere. Parameters, gradients and optimizer state stay fp32 in
     every case (autocast only lowers the matmuls). Returns (compute dtype, autocast context): (torch.bfloat16,
     torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).

@@ -22,8 +22,9 @@ import torch
 from nanotrain.autobatch.builders import gpt_builder
 from nanotrain.autobatch.probe import GiB, measure_fake_peak
 from nanotrain.autobatch.search import candidate_batch_sizes, search_batch_size
-from nanotrain.common import UserError, rng_state, run_script, set_rng_state
+from nanotrain.common import rng_state, run_script, set_rng_state
 from nanotrain.configurator import configure
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, config_from_depth
 
 depth = None  # one depth (int); None: the depths below

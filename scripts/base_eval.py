@@ -21,11 +21,12 @@ import os
 import time
 
 from nanotrain.checkpoint import load_model
-from nanotrain.common import UserError, atomic_write_json, compute_init, print0, run_script
+from nanotrain.common import atomic_write_json, compute_init, print0, run_script
 from nanotrain.configurator import configure
 from nanotrain.core_bundle import ensure_bundle
 from nanotrain.core_eval import evaluate_core, write_results
 from nanotrain.downloads import rank0_first
+from nanotrain.errors import UserError
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.report import write_section_or_warn
 from nanotrain.tokenizer import get_token_bytes

@@ -21,17 +21,14 @@ from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.autobatch.stepdown import OOMStepDown
 from nanotrain.checkpoint import check_resume, load_optimizers, resume_checkpoint, save_checkpoint
 from nanotrain.common import (
-    UserError,
     all_reduce_scalar,
     any_rank,
     compute_init,
-    get_peak_flops,
     print0,
     rng_state,
     run_script,
     seed_everything,
     set_rng_state,
-    synchronize,
 )
 from nanotrain.configurator import configure
 from nanotrain.core_bundle import ensure_bundle
@@ -39,9 +36,11 @@ from nanotrain.core_eval import evaluate_core, write_results
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
 from nanotrain.downloads import rank0_first
+from nanotrain.errors import UserError
 from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.gpt import adamw_lr_scale, build_model, config_from_depth
+from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer

@@ -44,19 +44,13 @@ from torch.profiler import ProfilerActivity, record_function
 
 from nanotrain.autobatch.builders import gpt_builder
 from nanotrain.autobatch.probe import measure_fake_peak
-from nanotrain.common import (
-    UserError,
-    all_reduce_scalar,
-    compute_init,
-    get_peak_flops,
-    run_script,
-    seed_everything,
-    synchronize,
-)
+from nanotrain.common import all_reduce_scalar, compute_init, run_script, seed_everything
 from nanotrain.configurator import ConfigError, apply_overrides, configure, validate
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import iter_documents, resolve_data_files
+from nanotrain.errors import UserError
 from nanotrain.gpt import build_model, config_from_depth
+from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.muon import ns_dtype_for
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (

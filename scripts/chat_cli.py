@@ -18,9 +18,10 @@ import sys
 import torch
 
 from nanotrain.checkpoint import find_run_dir, load_model
-from nanotrain.common import UserError, autodetect_device_type, run_script
+from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.engine import Engine
+from nanotrain.errors import UserError
 
 for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` -> --prompt=text
     if _arg == "-p":

@@ -25,10 +25,11 @@ import time
 
 from nanotrain.chat_metrics import centred, chatcore, score_task
 from nanotrain.checkpoint import load_model
-from nanotrain.common import UserError, atomic_write_json, compute_cleanup, compute_init, print0, run_script
+from nanotrain.common import atomic_write_json, compute_cleanup, compute_init, print0, run_script
 from nanotrain.configurator import configure
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
+from nanotrain.errors import UserError
 from nanotrain.report import write_section_or_warn
 from nanotrain.tasks.common import resolve_source
 from nanotrain.tasks.jsonl import load_jsonl

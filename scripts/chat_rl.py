@@ -36,7 +36,6 @@ from nanotrain.checkpoint import (
     save_checkpoint,
 )
 from nanotrain.common import (
-    UserError,
     all_reduce_scalar,
     any_rank,
     compute_init,
@@ -45,11 +44,12 @@ from nanotrain.common import (
     run_script,
     seed_everything,
     set_rng_state,
-    synchronize,
 )
 from nanotrain.configurator import configure, reals
 from nanotrain.engine import Engine
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPTConfig, build_model
+from nanotrain.hardware import synchronize
 from nanotrain.rl import empty_micro_batch, group_advantages, pass_at_k, rl_micro_batches, rl_rows, rollout_seed
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due
 from nanotrain.sft_data import ConversationSampler, token_loss_scale

@@ -40,22 +40,21 @@ from nanotrain.checkpoint import (
     save_checkpoint,
 )
 from nanotrain.common import (
-    UserError,
     all_reduce_scalar,
     any_rank,
     compute_init,
-    get_peak_flops,
     print0,
     rng_state,
     run_script,
     seed_everything,
     set_rng_state,
-    synchronize,
 )
 from nanotrain.configurator import configure
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.osft import setup_osft
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.sft_data import (

@@ -17,8 +17,9 @@ import os
 import torch
 
 from nanotrain.checkpoint import load_model
-from nanotrain.common import UserError, run_script
+from nanotrain.common import run_script
 from nanotrain.configurator import configure
+from nanotrain.errors import UserError
 from nanotrain.export import export_safetensors, load_safetensors
 
 source = "sft"  # which training stage's checkpoints: base | mid | sft | rl

@@ -14,8 +14,9 @@ import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ct
 import os
 import time
 
-from nanotrain.common import UserError, os_errors_name, run_script
+from nanotrain.common import run_script
 from nanotrain.dataset import iter_documents, resolve_data_files
+from nanotrain.errors import UserError, os_errors_name
 from nanotrain.tokenizer import MIN_VOCAB_SIZE, Tokenizer, get_tokenizer_dir
 
 vocab_size = 4096  # tokens in the vocabulary, the 9 special tokens included (so 256 bytes + 3831 merges)

@@ -30,7 +30,7 @@ from nanotrain.autobatch.cache import cache_key, cache_path, drop_cached
 from nanotrain.autobatch.probe import measure_fake_peak
 from nanotrain.autobatch.search import candidate_batch_sizes, discover_device_batch_size, search_batch_size
 from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.training import OOM_MESSAGES, forward_backward, is_oom_error, micro_batches
 

@@ -19,7 +19,7 @@ import torch
 
 from nanotrain import pinned as pinned_module
 from nanotrain.chat_metrics import chatcore, score_multiple_choice
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.pinned import pinned_rows_from_wheels
 from nanotrain.tasks.humaneval import grade_humaneval, humaneval_conversation, humaneval_program

@@ -106,7 +106,7 @@ def test_resume_checks_settings_and_world_size(tmp_path, capsys):
     themselves), ignores the world size, or refuses every change.
     """
     from nanotrain.checkpoint import check_resume, resume_checkpoint
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     run = str(tmp_path / "run")
     assert resume_checkpoint(run, "cpu") is None and "no checkpoint yet" in capsys.readouterr().out
     model, opts = setup()
@@ -144,7 +144,7 @@ def test_resume_refuses_when_no_checkpoint_can_be_read(tmp_path, capsys):
     is still a fresh start.
     """
     from nanotrain.checkpoint import resume_checkpoint
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     model, opts = setup()
     path = save_checkpoint(str(tmp_path), 5, model, opts, resume_meta(), {})
     with open(os.path.join(path, "model.pt"), "r+b") as f:
@@ -188,7 +188,7 @@ def test_lock_run_dir_refuses_a_second_process_until_the_first_exits(tmp_path):
     import subprocess
     import sys
 
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     from nanotrain.run import lock_run_dir
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from nanotrain.run import lock_run_dir; lock_run_dir(sys.argv[1], 'cpu'); "
@@ -209,7 +209,7 @@ def _full_disk_message(tmp_path, monkeypatch, fail_on):
     import errno
 
     import nanotrain.checkpoint as ckpt_module
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     model, opts = setup()
     save_checkpoint(str(tmp_path), 5, model, opts, {"config": {}}, {})
     real_save = torch.save
@@ -246,7 +246,7 @@ def test_a_really_full_filesystem(tmp_path):
     """
     import subprocess
 
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True).returncode:
@@ -454,7 +454,7 @@ def test_metrics_rows_that_are_not_objects_with_an_int_step_stop_the_resume_in_o
     and the file is left byte for byte as it was. A torn LAST line (a killed run's) is still dropped silently. The
     old code raised TypeError (a list) or KeyError: 'step'.
     """
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     from nanotrain.run import MetricsLog
     good = [{"step": 1, "loss": 5.0, "dt": 0.1}, {"step": 2, "loss": 4.0, "dt": 0.1}, {"step": 3, "loss": 3.0}]
     path = tmp_path / "metrics.jsonl"

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from nanotrain.common import UserError
 from nanotrain.conversation import validate_conversation
+from nanotrain.errors import UserError
 from nanotrain.tasks.jsonl import load_hf, load_jsonl
 from nanotrain.tasks.registry import TASKS, load_task_mixture, parse_task_spec
 

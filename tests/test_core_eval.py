@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from helpers import REPO, run_script
 
 from nanotrain import core_bundle, core_eval, gold_bpb
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.unit

@@ -21,7 +21,7 @@ import torch
 from helpers import REPO
 
 from nanotrain import core_bundle, core_eval, downloads
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 
 BUNDLE = os.path.join(REPO, "tests", "data", "core_bundle")
 TASK_FILE = "eval_data/invented/mc_test.jsonl"

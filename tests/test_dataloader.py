@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from nanotrain.common import UserError
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
+from nanotrain.errors import UserError
 from nanotrain.sft_data import ConversationTokenStream
 
 pytestmark = pytest.mark.unit
@@ -445,7 +445,7 @@ def test_loader_errors_name_the_rank_and_the_state(byte_tokenizer, four_docs):
     resume into the next epoch (literal rows). Catches an endless loop over empty epochs (a hang), a resume that
     silently starts elsewhere, and a resume at the epoch's end taken for a rank without documents.
     """
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     with pytest.raises(UserError, match=r"rank 4 of 5 got no document from \[.*docs.jsonl'\]: the data split is too "
                                         r"small for this many ranks"):
         TokenLoader(byte_tokenizer, four_docs, 1, 3, "cpu", rank=4, world_size=5, num_threads=1).next_batch()
@@ -473,7 +473,7 @@ def test_loader_errors_name_the_rank_and_the_state(byte_tokenizer, four_docs):
 def test_no_document_message_lists_at_most_three_files(byte_tokenizer, tmp_path):
     """The no-document error names the first three files and marks more with ' ...'. Catches a message that lists
     every file (thousands of shards) or hides that there are more."""
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     files = []
     for i in range(4):
         files.append(str(tmp_path / f"f{i}.jsonl"))

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanotrain.builtin_corpus import build_builtin_corpus, builtin_stats, content_hash
-from nanotrain.common import UserError
 from nanotrain.dataset import fineweb_shard_name, iter_documents, resolve_data_files
+from nanotrain.errors import UserError
 
 
 @pytest.fixture(autouse=True)

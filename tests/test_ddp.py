@@ -120,7 +120,7 @@ def test_ddp_two_ranks_equals_full_batch(tmp_path):
 def ns_worker(rank, port, out_dir, agree):
     """One rank as a training script starts it (compute_init on CPU, a model, setup_optimizers), with rank 1
     measuring slow bf16 matmuls."""
-    import nanotrain.common as common
+    import nanotrain.hardware as hardware
     import nanotrain.muon as muon
     from nanotrain.common import compute_init
     from nanotrain.gpt import GPT, GPTConfig
@@ -128,10 +128,10 @@ def ns_worker(rank, port, out_dir, agree):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     speed = 4.5 if rank == 0 else 0.25  # bf16 / fp32 throughput each rank "measures"
-    common.measure_matmul_flops = lambda dtype, n, s: 1e11 * (speed if dtype == torch.bfloat16 else 1.0)
-    common.cpu_flags = lambda: None  # a CPU that lists no flags: each rank's timing decides
+    hardware.measure_matmul_flops = lambda dtype, n, s: 1e11 * (speed if dtype == torch.bfloat16 else 1.0)
+    hardware.cpu_flags = lambda: None  # a CPU that lists no flags: each rank's timing decides
     if not agree:  # the wrong variant: each rank decides alone
-        common.all_reduce_scalar = lambda value, op, device: int(value)
+        hardware.all_reduce_scalar = lambda value, op, device: int(value)
     compute_init("cpu")
     model = GPT(GPTConfig(max_seq_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, model_dim=16))
     model.setup_optimizers()  # ns_dtype "": settles Muon's Newton-Schulz dtype, before any step

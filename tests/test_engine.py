@@ -8,8 +8,8 @@ in-test to emit them).
 import pytest
 import torch
 
-from nanotrain.common import UserError
 from nanotrain.engine import Engine
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.tokenizer import Tokenizer
 

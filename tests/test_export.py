@@ -13,7 +13,7 @@ import torch
 from helpers import TINY_TRAIN, run_script
 from safetensors import safe_open
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.export import FORMAT, export_safetensors, load_safetensors
 from nanotrain.gpt import GPT, GPTConfig
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from nanotrain.calculator import calculate
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.tasks.gsm8k import grade_gsm8k, gsm8k_conversation
 from nanotrain.tasks.registry import TASKS, grade, load_task_mixture
 

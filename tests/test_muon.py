@@ -134,25 +134,25 @@ def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import nanotrain.common as common
+    import nanotrain.hardware as hardware
     import nanotrain.muon as muon
 
-    monkeypatch.setattr(common, "cpu_flags", lambda: None)  # a CPU that lists no flags: measured
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: None)  # a CPU that lists no flags: measured
     for bf16_speed, expected in ((4.5, torch.bfloat16), (1.5, torch.float32), (0.25, torch.float32)):
-        monkeypatch.setattr(common, "_FAST_BF16", {})
-        monkeypatch.setattr(common, "measure_matmul_flops",
+        monkeypatch.setattr(hardware, "_FAST_BF16", {})
+        monkeypatch.setattr(hardware, "measure_matmul_flops",
                             lambda dtype, n, s, f=bf16_speed: 1e11 * (f if dtype == torch.bfloat16 else 1.0))
         assert muon.ns_dtype_for(torch.device("cpu")) == expected
     monkeypatch.undo()
-    monkeypatch.setattr(common, "_FAST_BF16", {})
-    monkeypatch.setattr(common, "cpu_flags", lambda: None)
+    monkeypatch.setattr(hardware, "_FAST_BF16", {})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: None)
     seen = []
-    real = common.measure_matmul_flops
+    real = hardware.measure_matmul_flops
 
     def spy(dtype, n, s):
         seen.append(type(torch.empty(1)))
         return real(dtype, n, s)
-    monkeypatch.setattr(common, "measure_matmul_flops", spy)
+    monkeypatch.setattr(hardware, "measure_matmul_flops", spy)
     with FakeTensorMode():
         muon.ns_dtype_for(torch.device("cpu"))
     assert seen and all(t is torch.Tensor for t in seen)
@@ -332,16 +332,16 @@ def test_ns_dtype_for_other_devices_and_the_2x_bar(monkeypatch):
     bf16 >= 2x fp32 inclusive: exactly 2x and 2.9x pick bf16, 1.99x fp32. Catches a mistyped device name, a
     missing dtype, `>` for `>=` and a 3x bar.
     """
-    import nanotrain.common as common
+    import nanotrain.hardware as hardware
     import nanotrain.muon as muon
 
-    monkeypatch.setattr(common, "_FAST_BF16", {})
+    monkeypatch.setattr(hardware, "_FAST_BF16", {})
     assert muon.ns_dtype_for("cuda") == torch.bfloat16 and muon.ns_dtype_for(torch.device("cuda", 1)) == torch.bfloat16
     assert muon.ns_dtype_for("meta") == torch.float32
-    monkeypatch.setattr(common, "cpu_flags", lambda: None)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: None)
     for speed, expected in ((2.0, torch.bfloat16), (2.9, torch.bfloat16), (1.99, torch.float32)):
-        monkeypatch.setattr(common, "_FAST_BF16", {})
-        monkeypatch.setattr(common, "measure_matmul_flops",
+        monkeypatch.setattr(hardware, "_FAST_BF16", {})
+        monkeypatch.setattr(hardware, "measure_matmul_flops",
                             lambda dtype, n, s, f=speed: 1e11 * (f if dtype == torch.bfloat16 else 1.0))
         assert muon.ns_dtype_for("cpu") == expected, speed
 
@@ -353,16 +353,16 @@ def test_ns_dtype_for_reads_the_cpu_flags_without_timing(monkeypatch):
     or no flags) -> fp32 (even where a timing would have measured it fast). Catches the flags ignored (the timing
     decides), the flag names misspelled, and either flag alone not counting.
     """
-    import nanotrain.common as common
+    import nanotrain.hardware as hardware
     import nanotrain.muon as muon
 
     def timing(*args):
         raise AssertionError("timed although the CPU lists its flags")
-    monkeypatch.setattr(common, "measure_matmul_flops", timing)
+    monkeypatch.setattr(hardware, "measure_matmul_flops", timing)
     for flags, expected in (({"fpu", "avx512f", "avx512_bf16"}, torch.bfloat16), ({"amx_bf16", "amx_tile"}, torch.bfloat16),
                             ({"fpu", "avx512f", "avx512_vnni"}, torch.float32), (set(), torch.float32)):
-        monkeypatch.setattr(common, "_FAST_BF16", {})
-        monkeypatch.setattr(common, "cpu_flags", lambda f=flags: f)
+        monkeypatch.setattr(hardware, "_FAST_BF16", {})
+        monkeypatch.setattr(hardware, "cpu_flags", lambda f=flags: f)
         assert muon.ns_dtype_for("cpu") == expected, flags
 
 
@@ -377,7 +377,7 @@ def test_orthogonalize_a_dtensor_whole_then_cut_back(one_rank_mesh, monkeypatch)
     """
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    import nanotrain.common as common
+    import nanotrain.hardware as hardware
     import nanotrain.muon as muon
 
     seen = []
@@ -395,5 +395,5 @@ def test_orthogonalize_a_dtensor_whole_then_cut_back(one_rank_mesh, monkeypatch)
             assert isinstance(got, DTensor) and got.placements == (Shard(0),)
             assert torch.equal(got.full_tensor(), want), (shape, pe)
     assert seen and all(t is torch.Tensor for t in seen), seen
-    monkeypatch.setattr(common, "_FAST_BF16", {})
+    monkeypatch.setattr(hardware, "_FAST_BF16", {})
     assert muon.ns_dtype_for("cpu") in (torch.float32, torch.bfloat16)  # the collective ran on a real device

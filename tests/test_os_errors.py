@@ -25,8 +25,9 @@ import time
 import pytest
 from helpers import REPO, TINY_TRAIN, TINY_VOCAB, run_script
 
-from nanotrain.common import UserError, get_base_dir, os_error_line
+from nanotrain.common import get_base_dir
 from nanotrain.common import run_script as run_main
+from nanotrain.errors import UserError, os_error_line
 
 INJECT = os.path.join(REPO, "tests", "inject_os_error.py")
 FAST = [*TINY_TRAIN, "--num_iterations=2"]  # the tiny base_train run, 2 steps

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.osft import OSFT, project
 from nanotrain.training import forward_backward, optimizer_step
 

@@ -157,7 +157,7 @@ def test_torn_last_metrics_line_is_skipped(tmp_path):
     train, val = read_metrics(str(tmp_path))
     assert [r["step"] for r in train] == [1] and val == []
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo\n{"step": 2, "loss": 5.0, "dt": 1.0}\n')
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     with pytest.raises(UserError, match="metrics.jsonl:1"):
         read_metrics(str(tmp_path))
 

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.tokenizer import (
     SPECIAL_TOKENS,
     TRAIN_HINT,

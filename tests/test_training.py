@@ -94,7 +94,7 @@ def test_grad_accum_steps_and_the_batch_arithmetic_error():
     2, 4, 1). Catches a division that floors silently (5000 // 768 = 6 steps of the wrong size), a check that forgets
     world_size, and a zero or negative size reaching the division.
     """
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     from nanotrain.training import grad_accum_steps_for
     assert grad_accum_steps_for(4096, 8, 256, 1) == 2
     assert grad_accum_steps_for(4096, 8, 128, 2) == 2
@@ -209,7 +209,7 @@ def test_optimizer_step_sets_lr_and_momentum_clips_and_drops_the_gradients():
 def test_check_finite_names_the_step_and_the_run(value):
     """A NaN or infinite loss/grad norm is one UserError naming what, the value, the step and the checkpoints' place;
     finite values (0, large) pass. Catches a check that lets -inf through or forgets the step."""
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     from nanotrain.training import check_finite
 
     check_finite(0.0, 3, "/runs/x")
@@ -240,7 +240,7 @@ def test_step_log_line_by_hand():
 
 def test_precision_resolves_the_dtype_setting(monkeypatch):
     """
-    --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as nanotrain.common.fast_bf16 finds), fp32 and
+    --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as nanotrain.hardware.fast_bf16 finds), fp32 and
     no autocast on a slow-bf16 CPU and on other devices; an explicit dtype is used without measuring; anything else
     is a UserError naming --dtype. Catches a measurement made for an explicit dtype, autocast left on for fp32, and
     a CUDA default that depends on the CPU's measurement.
@@ -248,7 +248,7 @@ def test_precision_resolves_the_dtype_setting(monkeypatch):
     import warnings
 
     import nanotrain.training as training
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
 
     for measured, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
         monkeypatch.setattr(training, "fast_bf16", lambda device, m=measured: m == torch.bfloat16 if device.type == "cpu"
@@ -299,7 +299,7 @@ def test_open_and_finish_a_run_write_config_metrics_and_report(one_rank_mesh, tm
     """
     import time
 
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     from nanotrain.run import finish_run, open_run_log
 
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
@@ -371,7 +371,7 @@ def test_metrics_log_keeps_bytes_names_lines_and_rejects_rows(tmp_path):
     writes nothing. Catches strict decoding or encoding, rows glued on one line, line numbers from 0 or 2, a check
     that accepts any dict, and a non-master log that tries to write.
     """
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
 
     path = tmp_path / "metrics.jsonl"
     raw = b'{"step": 1, "note": "\xff\xfe"}\n{"step": 2, "loss": 1.0, "dt": 0.1}'
@@ -406,7 +406,7 @@ def test_grad_accum_steps_bounds_and_suggestions():
     bound that skips one of the sizes, true division (2.0), `/` for `*` in the rows check, a divisor range that
     misses n itself, and suggestions not ordered by distance.
     """
-    from nanotrain.common import UserError
+    from nanotrain.errors import UserError
     from nanotrain.training import grad_accum_steps_for
 
     for args in ((0, 8, 256, 1), (4096, 8, 0, 1), (4096, 8, 256, 0), (-4096, 8, 256, 1)):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.run import open_run_log
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ import time
 import pytest
 from helpers import TINY_TRAIN, run_script
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.run import open_run_log
 
 

@@ -13,7 +13,8 @@ import os
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from nanotrain.common import UserError, print0
+from nanotrain.common import print0
+from nanotrain.errors import UserError
 from nanotrain.training import forward_backward, is_oom_error, optimizer_step
 
 GiB = 2**30

@@ -24,7 +24,8 @@ from nanotrain.autobatch.cache import (
     write_cached,
 )
 from nanotrain.autobatch.probe import FakeProbe, GiB, RealProbe, device_memory_budget
-from nanotrain.common import UserError, atomic_write_json, is_distributed, print0, rng_state, set_rng_state
+from nanotrain.common import atomic_write_json, is_distributed, print0, rng_state, set_rng_state
+from nanotrain.errors import UserError
 
 DEFAULT_MARGIN = 0.85  # fraction of the device memory the training step may use
 MAX_COMPILED_PROBES = 3  # compiled probes per discovery (each is a recompile; torch._dynamo's recompile_limit is 8)

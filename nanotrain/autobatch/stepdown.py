@@ -7,7 +7,8 @@ step and the result stay the same; the discovery's record and cache learn of it.
 import torch.distributed as dist
 
 from nanotrain.autobatch.cache import drop_cached
-from nanotrain.common import UserError, atomic_write_json, is_distributed, print0
+from nanotrain.common import atomic_write_json, is_distributed, print0
+from nanotrain.errors import UserError
 from nanotrain.fsdp import is_fsdp
 from nanotrain.training import forward_backward, micro_batches
 

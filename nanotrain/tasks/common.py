@@ -13,8 +13,9 @@ import zlib
 
 import numpy as np
 
-from nanotrain.common import UserError, get_base_dir, print0
+from nanotrain.common import get_base_dir, print0
 from nanotrain.conversation import text_of
+from nanotrain.errors import UserError
 from nanotrain.hub import unreachable_reason
 from nanotrain.pinned import pinned_rows
 

