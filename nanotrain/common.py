@@ -84,8 +84,10 @@ def run_script(main, trains=False):
     except UserError as e:
         die(str(e))
     except KeyboardInterrupt:
-        die("interrupted by a second Ctrl-C before the step in progress was saved; run again with --resume=True to "
-            "continue from the last checkpoint" if trains else "interrupted (Ctrl-C)", 130)
+        checkpoint = sys.modules.get("nanotrain.checkpoint")  # looked up, not imported (it imports this module)
+        die(checkpoint.interrupted_line() if trains and checkpoint is not None else
+            "interrupted by a second Ctrl-C; run again with --resume=True to continue from the last checkpoint"
+            if trains else "interrupted (Ctrl-C)", 130)
     except OSError as e:
         line = os_error_line(e, trains)
         if line is None:
@@ -147,21 +149,28 @@ def autodetect_device_type():
 
 def rng_state(device):
     """
-    The RNG states of this process: Python's, torch's CPU generator and, on a CUDA `device`, that device's generator.
-    A dict of lists and tensors, loadable with torch.load(weights_only=True) (checkpoints keep it per rank).
+    The RNG states of this process: Python's, NumPy's global generator, torch's CPU generator and, on a CUDA `device`,
+    that device's generator. A dict of lists and tensors, loadable with torch.load(weights_only=True) (checkpoints
+    keep it per rank).
     """
     version, state, gauss = random.getstate()
-    out = {"python": [version, list(state), gauss], "torch": torch.get_rng_state()}
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": [version, list(state), gauss], "torch": torch.get_rng_state(),
+           "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
     if torch.device(device).type == "cuda":
         out["cuda"] = torch.cuda.get_rng_state(device)
     return out
 
 
 def set_rng_state(state, device):
-    """Restores the RNG states saved by rng_state(device) (the CUDA one only on a CUDA `device`)."""
+    """Restores the RNG states saved by rng_state(device) (the CUDA one only on a CUDA `device`; NumPy's when the
+    state has it: a checkpoint written before it was saved has not)."""
     version, st, gauss = state["python"]
     random.setstate((version, tuple(st), gauss))
     torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.device(device).type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 

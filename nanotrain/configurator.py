@@ -233,6 +233,7 @@ RULES = {
     "grad_clip": reals(0, note="0 turns clipping off"),
     "warmup_ratio": reals(0, 1, note="a fraction of the steps"),
     "warmdown_ratio": reals(0, 1, note="a fraction of the steps"),
+    "init_lr_frac": reals(0, 1, lo_open=True, note="the lrs' multiplier: 0 would train nothing"),
     "osft_rank_ratio": Rule("a number in [0, 1) (0 turns OSFT off)", lambda v: _is_real(v) and 0 <= v < 1),
     # evaluation, checkpoints
     "eval_tokens": COUNT,
@@ -264,7 +265,7 @@ RULES = {
 SUFFIX_RULES = (
     ("_run_name", run_name_rule()),  # base_run_name, source_run_name, ...
     ("_lr", LEARNING_RATE),  # matrix_lr, embedding_lr, unembedding_lr, ...
-    ("_frac", FRACTION),  # init_lr_frac, final_lr_frac: multipliers of the learning rates, in [0, 1]
+    ("_frac", FRACTION),  # final_lr_frac: a multiplier of the learning rates, in [0, 1]
     ("_every", EVERY),  # eval_every, sample_every, save_every
     ("_max_problems", RULES["max_problems"]),  # chatcore_max_problems: problems per task, -1 means all
 )

@@ -4,9 +4,8 @@ computed as nanochat computes it (karpathy/nanochat `nanochat/core_eval.py`, `sc
 numbers compare with nanochat's and GPT-2's published ones. The task rendering follows llm-foundry's ICL tasks.
 
 The protocol:
-- The eval bundle (one zip, the same one nanochat downloads) holds core.yaml (the task list: label, dataset_uri,
-  num_fewshot, icl_task_type, continuation_delimiter), eval_meta_data.csv (each task's random baseline in percent;
-  the bundle's own file, an older DCLM version, which nanochat's numbers use) and eval_data/*.jsonl (the rows).
+- The eval bundle (nanotrain.core_bundle: how it is had and checked) gives the tasks, their random baselines and
+  rows.
 - Each task's rows are shuffled with random.Random(1337) and cut to max_per_task. Row i's few-shot examples are
   random.Random(1234 + i).sample of the other rows' indices (i in the shuffled, cut list); a task with fewer rows than
   its few-shot count uses all the other rows.
@@ -24,197 +23,20 @@ number of options) with the chunked head: no (B, T, vocab) logits; language mode
 positions only.
 """
 
-import csv
-import json
 import os
 import random
-import shutil
 import time
-import zipfile
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import atomic_write_json, atomic_write_text, get_base_dir, print0
-from nanotrain.downloads import download, exclusive
-from nanotrain.durable import commit, is_complete, recover
+from nanotrain.common import atomic_write_json, atomic_write_text, print0
+from nanotrain.core_bundle import load_rows, read_bundle, verify_bundle
 from nanotrain.errors import UserError
 
-EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
-URL_ENV = "NANOTRAIN_EVAL_BUNDLE_URL"  # overrides EVAL_BUNDLE_URL (a mirror; file:// works)
-BUNDLE_SIZE = "~162 MB"
-BUNDLE_DIR = "eval_bundle"  # under the base directory, and the zip's top-level folder
-MARKER = "bundle.json"  # written last into an extracted bundle: a directory holding it is complete
-TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
 STOP_CHECK_EVERY = 16  # rounds of examples between two (collective) checks for a stop request
-
-
-# ----------------------------------------------------------------------------- the bundle
-
-def parse_task_list(text, where):
-    """
-    The tasks of a core.yaml text: a list of dicts {"label", "dataset_uri", "num_fewshot" (int: the first of the
-    file's list), "task_type", "delimiter" (continuation_delimiter, default " ")}. Raises UserError naming `where`
-    when the text is not YAML, has no icl_tasks list, or a task lacks a field or has an unknown icl_task_type.
-    """
-    import yaml
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise UserError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
-    items = doc.get("icl_tasks") if isinstance(doc, dict) else None
-    if not isinstance(items, list) or not items:
-        raise UserError(f"{where}: expected a non-empty 'icl_tasks' list")
-    tasks = []
-    for t in items:
-        if not isinstance(t, dict) or not all(k in t for k in ("label", "dataset_uri", "num_fewshot", "icl_task_type")):
-            raise UserError(f"{where}: task {t!r:.80}: needs label, dataset_uri, num_fewshot and icl_task_type")
-        if t["icl_task_type"] not in TASK_TYPES:
-            raise UserError(f"{where}: task {t['label']}: icl_task_type {t['icl_task_type']!r}, expected one of "
-                            f"{', '.join(TASK_TYPES)}")
-        shots = t["num_fewshot"][0] if isinstance(t["num_fewshot"], list) else t["num_fewshot"]
-        tasks.append({"label": str(t["label"]), "dataset_uri": str(t["dataset_uri"]), "num_fewshot": int(shots),
-                      "task_type": t["icl_task_type"], "delimiter": str(t.get("continuation_delimiter", " "))})
-    return tasks
-
-
-def read_bundle(bundle_dir):
-    """
-    The tasks (parse_task_list) and random baselines (dict label -> percent, float) of the extracted bundle in
-    `bundle_dir`. Raises UserError naming the file when core.yaml or eval_meta_data.csv is missing or unreadable, a
-    task's data file is missing, or a task has no baseline.
-    """
-    yaml_path = os.path.join(bundle_dir, "core.yaml")
-    csv_path = os.path.join(bundle_dir, "eval_meta_data.csv")
-    for p in (yaml_path, csv_path):
-        if not os.path.isfile(p):
-            raise UserError(f"{bundle_dir} is not a CORE eval bundle: {os.path.basename(p)} is missing (expected "
-                            f"core.yaml, eval_meta_data.csv and eval_data/)")
-    with open(yaml_path, encoding="utf-8") as f:
-        tasks = parse_task_list(f.read(), yaml_path)
-    baselines = {}
-    with open(csv_path, encoding="utf-8", newline="") as f:
-        for row in csv.DictReader(f):
-            try:
-                baselines[row["Eval Task"]] = float(row["Random baseline"])
-            except (KeyError, TypeError, ValueError):
-                raise UserError(f"{csv_path}: expected the columns 'Eval Task' and 'Random baseline' with a number, "
-                                f"got {dict(row)!r:.100}") from None
-    for t in tasks:
-        if not os.path.isfile(os.path.join(bundle_dir, "eval_data", t["dataset_uri"])):
-            raise UserError(f"{bundle_dir}: task {t['label']}: eval_data/{t['dataset_uri']} is missing")
-        if t["label"] not in baselines:
-            raise UserError(f"{csv_path}: no random baseline for task {t['label']}")
-    return tasks, baselines
-
-
-def check_zip(zip_path, url):
-    """
-    Checks a downloaded bundle before anything is extracted: the zip reads (every member's CRC), its
-    eval_bundle/core.yaml parses, and eval_meta_data.csv and every data file core.yaml names are members.
-    Raises UserError (one line naming `url`) otherwise.
-    """
-    try:
-        with zipfile.ZipFile(zip_path) as z:
-            bad = z.testzip()
-            if bad is not None:
-                raise UserError(f"the eval bundle from {url} is damaged ({bad} fails its CRC); run again to download "
-                                f"it again")
-            names = set(z.namelist())
-            core = f"{BUNDLE_DIR}/core.yaml"
-            if core not in names:
-                raise UserError(f"the eval bundle from {url} has no {core}: not a CORE eval bundle")
-            tasks = parse_task_list(z.read(core).decode("utf-8"), f"{url}: {core}")
-    except (zipfile.BadZipFile, EOFError, OSError) as e:
-        raise UserError(f"the eval bundle from {url} is not a readable zip ({e}): truncated or damaged; run again to "
-                        f"download it again") from None
-    needed = [f"{BUNDLE_DIR}/eval_meta_data.csv"] + [f"{BUNDLE_DIR}/eval_data/{t['dataset_uri']}" for t in tasks]
-    missing = [n for n in needed if n not in names]
-    if missing:
-        raise UserError(f"the eval bundle from {url} lacks {missing[0]}"
-                        + (f" and {len(missing) - 1} more files" if len(missing) > 1 else "")
-                        + ": not a complete CORE eval bundle")
-
-
-def ensure_bundle(eval_bundle=""):
-    """
-    The directory of the CORE eval bundle. With `eval_bundle` (a directory copied by hand) that directory, checked
-    (read_bundle). Otherwise <base_dir>/eval_bundle, downloaded once per machine from $NANOTRAIN_EVAL_BUNDLE_URL or
-    EVAL_BUNDLE_URL: under an exclusive lock (other ranks and runs wait), to a temporary zip, checked (check_zip),
-    extracted into eval_bundle.tmp and committed with one rename (nanotrain.durable); the zip is then deleted.
-    A <base_dir>/eval_bundle without the marker of an extraction (a copy placed there by hand) is used as it is, once
-    checked. Raises UserError, one line, when the download fails (naming the URL, the size and --eval_bundle) or the
-    zip is bad; nothing is extracted then.
-    """
-    if eval_bundle:
-        path = os.path.abspath(os.path.expanduser(eval_bundle))
-        if not os.path.isdir(path):
-            raise UserError(f"--eval_bundle={eval_bundle}: not a directory")
-        read_bundle(path)
-        return path
-    base = get_base_dir()
-    final = os.path.join(base, BUNDLE_DIR)
-    url = os.environ.get(URL_ENV) or EVAL_BUNDLE_URL
-    if is_complete(final, MARKER):
-        return final
-    if os.path.isdir(final):  # no marker: not one this code extracted (those are renamed complete) but a copy by hand
-        try:
-            read_bundle(final)
-        except UserError as e:
-            raise UserError(f"{final} is not a usable eval bundle ({e}); move it away to download the bundle again, "
-                            f"or pass --eval_bundle=DIR") from None
-        return final
-    with exclusive(os.path.join(base, BUNDLE_DIR + ".lock")):
-        if recover(final, MARKER) is not None:  # another process finished it while this one waited
-            return final
-        zip_path = os.path.join(base, BUNDLE_DIR + ".zip")
-        tmp = final + ".tmp"
-        for p in (tmp, final + ".unzip"):  # left by a process killed while extracting
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-        print0(f"downloading the CORE eval bundle ({BUNDLE_SIZE}) from {url}")
-        t0 = time.time()
-        try:
-            download(url, zip_path, f"the CORE eval bundle ({BUNDLE_SIZE})",
-                     "no network? fetch eval_bundle.zip elsewhere, unzip it and pass --eval_bundle=DIR (the unzipped "
-                     "eval_bundle directory)")
-            check_zip(zip_path, url)
-            unzip = final + ".unzip"  # the zip's eval_bundle/ lands in here, then becomes the .tmp copy
-            with zipfile.ZipFile(zip_path) as z:
-                z.extractall(unzip, [m for m in z.namelist() if m.startswith(BUNDLE_DIR + "/")])
-            os.rename(os.path.join(unzip, BUNDLE_DIR), tmp)
-            with open(os.path.join(tmp, MARKER), "w") as f:
-                json.dump({"url": url, "downloaded": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
-            commit(tmp, final, MARKER)
-        finally:
-            for p in (tmp, final + ".unzip"):
-                if os.path.isdir(p):
-                    shutil.rmtree(p)
-            if os.path.exists(zip_path):
-                os.remove(zip_path)
-        print0(f"eval bundle ready at {final} ({time.time() - t0:.0f}s)")
-    return final
-
-
-def load_rows(bundle_dir, task):
-    """The rows (list of dicts) of `task`'s JSONL file in the bundle, in file order. Raises UserError naming
-    file:line for a line that is not a JSON object."""
-    path = os.path.join(bundle_dir, "eval_data", task["dataset_uri"])
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not valid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{n}: expected a JSON object")
-            rows.append(row)
-    return rows
 
 
 # ----------------------------------------------------------------------------- the protocol
@@ -361,8 +183,11 @@ def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_p
     {"core": float, "max_per_task": int, "order": [labels in core.yaml's order], "tasks": {label: {"accuracy",
     "centered", "baseline" (percent), "rows", "num_fewshot", "task_type", "seconds"}}}, the same on every rank
     (collective under DDP).
-    Returns None when `stop` (see evaluate_task) asked to stop. Raises UserError for a bad bundle or row.
+    Returns None when `stop` (see evaluate_task) asked to stop. Raises UserError (one line, never a score) for a
+    bundle whose files changed since nanotrain.core_bundle.ensure_bundle accepted them (verify_bundle, on every call)
+    or that is not well formed (core_bundle.check_bundle's checks).
     """
+    verify_bundle(bundle_dir)
     tasks, baselines = read_bundle(bundle_dir)
     out = {}
     for task in tasks:

@@ -4,16 +4,21 @@ temporary file with a timeout, checked, then turned into a complete directory th
 (nanotrain.durable), under an exclusive lock so that ranks and concurrent runs wait for one download instead of racing.
 Offline, every failure is one line naming the URL, the size and what to do instead (a UserError), never a traceback,
 and nothing half-written is left behind.
+
+Every file of such a directory is recorded in its marker (a JSON file written last) with its sha256 and its row count
+(lines), and checked against that record on every load (ensure_built, check_manifest): a file cut, edited, emptied,
+deleted or damaged on disk after the download is found before anything is read from it, and fetched again once.
 """
 
 import contextlib
 import hashlib
+import json
 import os
 import urllib.error
 import urllib.request
 
-from nanotrain.common import any_rank, get_base_dir, get_dist_info
-from nanotrain.durable import is_complete, recover
+from nanotrain.common import any_rank, get_base_dir, get_dist_info, print0
+from nanotrain.durable import fsync_path, is_complete, recover
 from nanotrain.errors import UserError
 
 try:
@@ -42,19 +47,115 @@ def exclusive(path):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def file_digest(path):
+    """(sha256 hex, rows) of the file `path`: rows is its number of lines (newline characters, plus one for a last
+    line without one). Raises OSError."""
+    h, rows, last = hashlib.sha256(), 0, b"\n"
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            rows += chunk.count(b"\n")
+            last = chunk[-1:]
+    return h.hexdigest(), rows + (last != b"\n")
+
+
+def file_manifest(folder, skip=()):
+    """{path relative to `folder` ("/"-separated): {"sha256": hex, "rows": int}} of every file under `folder`, except
+    the names in `skip` at its top. Raises OSError."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+            if rel not in skip:
+                sha, rows = file_digest(os.path.join(root, name))
+                out[rel] = {"sha256": sha, "rows": rows}
+    return out
+
+
+def check_manifest(folder, files):
+    """
+    None when every file in `files` (file_manifest's dict) is under `folder` with that sha256, else one phrase naming
+    the first file that differs and how: "<folder>/<file>: missing", "...: 3 rows, expected 4", "...: same 4 rows but
+    sha256 ab12..., expected cd34... (its content changed)". Files of `folder` not in `files` are not looked at.
+    """
+    for rel, want in files.items():
+        path = os.path.join(folder, *rel.split("/"))
+        if not os.path.isfile(path):
+            return f"{path}: missing"
+        sha, rows = file_digest(path)
+        if rows != want["rows"]:
+            return f"{path}: {rows} rows, expected {want['rows']}"
+        if sha != want["sha256"]:
+            return (f"{path}: same {rows} rows but sha256 {sha[:12]}..., expected {want['sha256'][:12]}... (its content "
+                    f"changed)")
+    return None
+
+
+def write_marker(folder, marker, info):
+    """Writes the marker file `marker` of the complete directory `folder` (the last file a builder writes): `info` (a
+    JSON-able dict) with "files": file_manifest(folder) of every other file, fsynced with the directory. Returns the
+    manifest. Raises OSError."""
+    files = file_manifest(folder, skip=(marker,))
+    with open(os.path.join(folder, marker), "w") as f:
+        json.dump(dict(info, files=files), f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_path(folder)
+    return files
+
+
+def read_manifest(folder, marker):
+    """The "files" manifest recorded in `folder`'s marker, or None when the marker has none or is not JSON."""
+    try:
+        with open(os.path.join(folder, marker), encoding="utf-8") as f:
+            files = json.load(f).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return files if isinstance(files, dict) else None
+
+
+def damage(folder, marker):
+    """None when the complete directory `folder` matches the manifest in its marker, else one phrase saying what
+    differs (check_manifest), or that the marker records no manifest."""
+    files = read_manifest(folder, marker)
+    if files is None:
+        return f"{os.path.join(folder, marker)} records no per-file checksums (made by an older nanotrain, or damaged)"
+    return check_manifest(folder, files)
+
+
 def ensure_built(name, marker, build):
     """
-    The directory <base_dir>/<name>, complete (holding `marker`): when it is not, build(base_dir, final) makes it
-    (and commits it with nanotrain.durable.commit), under the exclusive lock <base_dir>/<name>.lock, after recovering
-    a copy a killed process left, so that ranks and concurrent runs build it once. Returns its path. Raises what
-    build raises.
+    The directory <base_dir>/<name>, complete (holding `marker`) and matching the per-file manifest its marker records
+    (see the module docstring), checked on every call. When it is not complete, build(base_dir, final) makes it (and
+    commits it with nanotrain.durable.commit after writing the marker with write_marker), under the exclusive lock
+    <base_dir>/<name>.lock, after recovering a copy a killed process left, so that ranks and concurrent runs build it
+    once. When a file differs from the manifest, the directory is built (fetched) again once, a warning line naming
+    the file first. Returns its path. Raises what build raises, and UserError (one line: the file, what differs,
+    what to do) when the fetch again fails or its result differs too.
     """
     base = get_base_dir()
     final = os.path.join(base, name)
+    lock = os.path.join(base, name + ".lock")
     if not is_complete(final, marker):
-        with exclusive(os.path.join(base, name + ".lock")):
+        with exclusive(lock):
             if recover(final, marker) is None:
                 build(base, final)
+    problem = damage(final, marker)
+    if problem is None:
+        return final
+    with exclusive(lock):
+        problem = damage(final, marker)  # another rank or run may have fetched it again meanwhile
+        if problem is not None:
+            print0(f"warning: {problem}; fetching {name} again")
+            try:
+                build(base, final)
+            except UserError as e:
+                raise UserError(f"{problem}, and fetching it again failed: {e}") from None
+            again = damage(final, marker)
+            if again is not None:
+                raise UserError(f"{again}, right after fetching {name} again: the source itself is not what was "
+                                f"recorded; remove {final} and run again") from None
     return final
 
 

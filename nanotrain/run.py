@@ -202,19 +202,50 @@ def open_run_log(run_dir, settings, resume_step, master, device=None):
     return metrics
 
 
+WANDB_DIRS = {"WANDB_CONFIG_DIR": "config", "WANDB_CACHE_DIR": "cache", "WANDB_DATA_DIR": "data",
+              "WANDB_ARTIFACT_DIR": "artifacts"}  # wandb's files outside the run, under <base_dir>/wandb/
+WANDB_TIMEOUT_S = 5.0  # the TCP check of the wandb server, and (x4) wandb's own wait for its run to start
+
+
 def start_wandb(project, run_dir, settings):
     """
     A Weights & Biases run in `project` named <stage>/<run> (the run directory's last two parts), its files under
-    run_dir/wandb, `settings` as its config; WANDB_MODE=offline keeps it on disk. Raises UserError (one line) when
-    the wandb package is not installed.
+    run_dir/wandb, `settings` as its config; wandb's other files (settings, cache, artifacts) under
+    <base_dir>/wandb/ unless the WANDB_*_DIR variables say otherwise, never $HOME. WANDB_MODE=offline keeps it on disk.
+    Online, the server (WANDB_BASE_URL, default https://api.wandb.ai) is first checked with a TCP connection of at
+    most WANDB_TIMEOUT_S seconds (not behind a proxy, where that check cannot be made). Raises UserError (one line,
+    within ~30 s) when the wandb package is not installed, the server cannot be reached, or wandb.init fails (no API
+    key, a refused login, its own timeout).
     """
     try:
         import wandb
     except ImportError:
         raise UserError(f"--wandb_project={project}: the wandb package is not installed (pip install wandb==0.31.0), "
                         f"or leave --wandb_project empty") from None
+    for var, sub in WANDB_DIRS.items():
+        os.environ.setdefault(var, os.path.join(get_base_dir(), "wandb", sub))
+    hint = "set WANDB_MODE=offline to keep the run on disk (wandb sync later), or leave --wandb_project empty"
+    mode = os.environ.get("WANDB_MODE", "online").strip().lower()
+    if mode not in ("offline", "disabled", "dryrun"):
+        import urllib.parse
+        import urllib.request
+        server = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+        url = urllib.parse.urlparse(server)
+        if not urllib.request.getproxies().get(url.scheme):
+            try:
+                socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                         timeout=WANDB_TIMEOUT_S).close()
+            except (OSError, ValueError) as e:
+                raise UserError(f"--wandb_project={project}: cannot reach the wandb server {server} (offline? {e}); "
+                                f"{hint}") from None
     name = "/".join(os.path.normpath(os.path.abspath(run_dir)).split(os.sep)[-2:])
-    return wandb.init(project=project, name=name, dir=run_dir, config=settings)
+    try:
+        return wandb.init(project=project, name=name, dir=run_dir, config=settings,
+                          settings=wandb.Settings(init_timeout=4 * WANDB_TIMEOUT_S))
+    except Exception as e:  # wandb's errors have no common base: no API key, a refused login, a timeout
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"--wandb_project={project}: wandb could not start its run ({type(e).__name__}: {reason}); "
+                        f"{hint}") from None
 
 
 def finish_run(model, run_dir, stage, metrics, t_start, summary):

@@ -6,7 +6,8 @@ into the run's report card.
 
     python scripts/base_eval.py --run_name=d20                       # CORE of the newest checkpoint
     python scripts/base_eval.py --max_per_task=100                   # quick: 100 rows per task
-    python scripts/base_eval.py --eval_bundle=/data/eval_bundle      # a bundle copied by hand (offline)
+    python scripts/base_eval.py --eval_bundle=/data/eval_bundle      # a copy of the pinned bundle, checked
+    python scripts/base_eval.py --eval_bundle=DIR --own_eval_bundle=True   # your own bundle
     python scripts/base_eval.py --mode=gold_bpb --step=0             # not CORE: gold-answer bpb
     torchrun --standalone --nproc_per_node=8 scripts/base_eval.py    # rows strided over 8 ranks
 
@@ -22,7 +23,8 @@ import time
 from nanotrain.checkpoint import load_model
 from nanotrain.common import atomic_write_json, compute_init, print0, run_script
 from nanotrain.configurator import configure
-from nanotrain.core_eval import ensure_bundle, evaluate_core, write_results
+from nanotrain.core_bundle import ensure_bundle
+from nanotrain.core_eval import evaluate_core, write_results
 from nanotrain.downloads import rank0_first
 from nanotrain.errors import UserError
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
@@ -34,6 +36,7 @@ run_name = ""  # the base run; "" picks the run with the newest checkpoint
 step = -1  # checkpoint step; -1 is the newest
 mode = "core"  # core | gold_bpb (gold-answer bits per byte: not CORE)
 eval_bundle = ""  # a CORE eval bundle directory copied by hand; "" downloads it once into <base_dir>/eval_bundle
+own_eval_bundle = False  # True: --eval_bundle is your own bundle, not compared with the pinned one (only checked)
 max_per_task = -1  # rows per CORE task (shuffled with a fixed seed, then cut); -1 means all
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 device_type = ""  # cuda | mps | cpu; "" autodetects
@@ -46,7 +49,7 @@ def main():
         raise UserError(f"--mode={mode}: expected core or gold_bpb")
     _, rank, _, _, device = compute_init(device_type)
     # the data first: offline, the error comes before any checkpoint is read
-    bundle = rank0_first(lambda: ensure_bundle(eval_bundle), device) if mode == "core" else None
+    bundle = rank0_first(lambda: ensure_bundle(eval_bundle, own_eval_bundle), device) if mode == "core" else None
     rows = rank0_first(ensure_rows, device) if mode == "gold_bpb" else None
     model, tokenizer, path, meta = load_model("base", run_name, step, device)
     print0(f"checkpoint: {path}")

@@ -31,7 +31,8 @@ from nanotrain.common import (
     set_rng_state,
 )
 from nanotrain.configurator import configure
-from nanotrain.core_eval import ensure_bundle, evaluate_core, write_results
+from nanotrain.core_bundle import ensure_bundle
+from nanotrain.core_eval import evaluate_core, write_results
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
 from nanotrain.downloads import rank0_first
@@ -110,6 +111,7 @@ keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
 core_every = -1  # -1 or >= 1: steps between CORE evaluations (and at the end, not at 0); each step saved before it
 core_max_per_task = 500  # -1 or >= 1: rows per CORE task in the loop (-1: all)
 eval_bundle = ""  # a CORE eval bundle directory copied by hand; "" downloads it once into <base_dir>/eval_bundle
+own_eval_bundle = False  # True: --eval_bundle is your own bundle, not compared with the pinned one (only checked)
 gold_bpb_every = -1  # -1 or >= 1: steps between gold-answer bpb evaluations (NOT CORE; nanotrain/gold_bpb.py)
 wandb_project = ""  # log metrics.jsonl's rows to this Weights & Biases project too (rank 0); "" is off
 resume = False  # continue from the newest complete checkpoint of this run
@@ -154,7 +156,7 @@ def main():
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
     # the downstream evaluations' data before anything is written: offline, one line and no run directory
-    bundle = rank0_first(lambda: ensure_bundle(eval_bundle), device) if core_every > 0 else None
+    bundle = rank0_first(lambda: ensure_bundle(eval_bundle, own_eval_bundle), device) if core_every > 0 else None
     gold_rows = rank0_first(ensure_rows, device) if gold_bpb_every > 0 else None
     run_dir = get_run_dir("base", run_name or f"d{depth}")
     lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
@@ -233,7 +235,6 @@ def main():
                                row_packing=row_packing)
     if ckpt is not None:
         train_loader.load_state_dict(ckpt["rank_state"]["loader"])
-        set_rng_state(ckpt["rank_state"]["rng"], device)
 
     def val_batches():  # contiguous rows whatever row_packing is: every validation token counted once
         return TokenLoader(tokenizer, val_files, device_batch_size, max_seq_len, device, rank, world_size)
@@ -263,6 +264,8 @@ def main():
         print0(f"Saved checkpoint {path}")
 
     # ------------------------------------------------------------------------- training loop
+    if ckpt is not None:  # last: the set-up above draws from the RNGs (the CPU MFU probe's matmul inputs)
+        set_rng_state(ckpt["rank_state"]["rng"], device)
     step = ckpt["meta"]["step"] if ckpt is not None else 0
     tokens_seen = ckpt["meta"]["tokens_seen"] if ckpt is not None else 0
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0

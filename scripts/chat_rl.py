@@ -153,8 +153,6 @@ def main():
 
     # model and optimizers: the source weights (or this run's checkpoint) in fp32, the lrs scaled by init_lr_frac
     seed_everything(seed)
-    if ckpt is not None:  # the rollouts have their own seeds; the global RNG is restored for anything else
-        set_rng_state(ckpt["rank_state"]["rng"], device)
     model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
     del src, start
@@ -187,6 +185,8 @@ def main():
         print0(f"Saved checkpoint {path}")
 
     # ------------------------------------------------------------------------- training loop
+    if ckpt is not None:  # the rollouts have their own seeds; the global RNGs are restored, last, for anything else
+        set_rng_state(ckpt["rank_state"]["rng"], device)
     step = ckpt["meta"]["step"] if ckpt is not None else 0
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0
     tokens_seen = ckpt["meta"]["tokens_seen"] if ckpt is not None else 0  # prompt + sampled tokens, all ranks

@@ -244,7 +244,6 @@ def main():
     sampler = ConversationSampler(len(train), seed=seed)
     if ckpt is not None:
         sampler.load_state_dict(ckpt["rank_state"]["sampler"])
-        set_rng_state(ckpt["rank_state"]["rng"], device)
     epoch_steps = max(1, len(train) // examples_per_step)
     total_steps = num_iterations if num_iterations is not None else epoch_steps
     pad_id = tokenizer.get_bos_token_id()
@@ -311,6 +310,8 @@ def main():
         print0(f"Saved checkpoint {path}")
 
     # ------------------------------------------------------------------------- training loop
+    if ckpt is not None:  # last: the set-up above seeds and draws from the RNGs (model init, the CPU MFU probe)
+        set_rng_state(ckpt["rank_state"]["rng"], device)
     step = ckpt["meta"]["step"] if ckpt is not None else 0
     tokens_seen = ckpt["meta"]["tokens_seen"] if ckpt is not None else 0
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0

@@ -202,7 +202,6 @@ def main():
     train_stream = ConversationTokenStream(train_tokens, device_batch_size, max_seq_len, device, seed=seed)
     if ckpt is not None:
         train_stream.load_state_dict(ckpt["rank_state"]["loader"])
-        set_rng_state(ckpt["rank_state"]["rng"], device)
     row_tokens = max_seq_len + 1  # inputs and the shifted targets
     epoch_steps = max(1, all_reduce_scalar(train_stream.tokens_per_epoch // (rows_per_step * row_tokens), "min",
                                            device))
@@ -247,6 +246,8 @@ def main():
         print0(f"Saved checkpoint {path}")
 
     # ------------------------------------------------------------------------- training loop
+    if ckpt is not None:  # last: the set-up above seeds and draws from the RNGs (model init, the CPU MFU probe)
+        set_rng_state(ckpt["rank_state"]["rng"], device)
     step = ckpt["meta"]["step"] if ckpt is not None else 0
     tokens_seen = ckpt["meta"]["tokens_seen"] if ckpt is not None else 0
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0

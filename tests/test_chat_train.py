@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, TINY_TRAIN, run_script, write_benchmark_copy
+from helpers import REPO, TINY_TRAIN, run_script, same, write_benchmark_copy
 
 pytestmark = pytest.mark.smoke
 
@@ -60,13 +60,22 @@ def resume_from(base, stage, run, step, script, args):
     return run_script(script, *args, "--resume=True", base_dir=base)
 
 
+def rng_at(base, stage, run, step):
+    """The RNG states rank 0 saved in the run's checkpoint of `step`."""
+    path = os.path.join(base, stage, run, "checkpoints", f"step_{step:06d}", "rank_00000.pt")
+    return torch.load(path, weights_only=True)["rng"]
+
+
 def test_mid_then_sft_train_reload_and_resume(chat_base, tmp_path, monkeypatch):
     """
     mid_train then chat_sft in one process: exit 0, the loss falls, the SFT checkpoint reloads into a model whose
     token-weighted val loss equals the logged one, skipped JSONL lines are counted, and --resume=True (mid: from its
-    middle checkpoint; SFT: after a SIGTERM at an arbitrary step) repeats the remaining steps' losses exactly (==).
+    middle checkpoint; SFT: after a SIGTERM at an arbitrary step) repeats the remaining steps' losses exactly (==)
+    and saves at step 16 the Python, NumPy and torch RNG states the straight run saved.
     Catches a resume that restarts the data (token stream or sampler), drops the optimizer state, repeats or skips
-    a step, and a checkpoint that does not hold the trained weights.
+    a step, a checkpoint that does not hold the trained weights, and mid_train's RNG states restored before the
+    set-up that draws from them (the CPU MFU probe). (chat_sft's old order, restored then re-seeded, also saved equal
+    states here: its training draws nothing from these generators, so the set-up's state is the same either way.)
     """
     mid_args = [*MID, "--run_name=m1", "--num_iterations=16", "--eval_every=8", "--save_every=8"]
     r = run_script("mid_train.py", *mid_args, base_dir=chat_base)
@@ -74,11 +83,13 @@ def test_mid_then_sft_train_reload_and_resume(chat_base, tmp_path, monkeypatch):
     straight, _ = losses(chat_base, "mid", "m1")
     assert sorted(straight) == list(range(1, 17))
     assert sum(straight[s] for s in (14, 15, 16)) / 3 < 0.7 * straight[1], straight
+    straight_rng = rng_at(chat_base, "mid", "m1", 16)
     r = resume_from(chat_base, "mid", "m1", 8, "mid_train.py", mid_args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "step 00009/00016" in r.stdout and "step 00008/00016 (" not in r.stdout
     resumed, _ = losses(chat_base, "mid", "m1")
     assert resumed == straight
+    assert same(rng_at(chat_base, "mid", "m1", 16), straight_rng)
 
     jsonl = write_jsonl(tmp_path / "chat.jsonl", bad_line='{"messages": [{"role": "user", "content": "no reply"}]}')
     sft_args = [*SFT, "--source_run_name=m1", "--run_name=s1", "--num_iterations=16", "--eval_every=8",
@@ -126,6 +137,7 @@ def test_mid_then_sft_train_reload_and_resume(chat_base, tmp_path, monkeypatch):
     assert f"step {stopped + 1:05d}/00016" in r.stdout and f"step {stopped:05d}/00016 (" not in r.stdout
     resumed, _ = losses(chat_base, "sft", "s1cut")
     assert resumed == straight
+    assert same(rng_at(chat_base, "sft", "s1cut", 16), rng_at(chat_base, "sft", "s1", 16))
 
 
 @pytest.mark.dist

@@ -148,7 +148,7 @@ def test_fuzz_ranges(args):
         assert v == "" or os.path.dirname(os.path.normpath(os.path.join(stage, v))) == stage, (name, v)
         assert v == "" or os.path.basename(v) == v and "\\" not in v and v.isprintable(), (name, v)
     assert math.isfinite(out["matrix_lr"]) and out["matrix_lr"] >= 0
-    assert 0 <= out["init_lr_frac"] <= 1 and math.isfinite(out["temperature"]) and out["temperature"] >= 0
+    assert 0 < out["init_lr_frac"] <= 1 and math.isfinite(out["temperature"]) and out["temperature"] >= 0
     assert type(out["top_k"]) is int and out["top_k"] >= 0
     assert out["device_batch_size"] is None or (type(out["device_batch_size"]) is int and out["device_batch_size"] >= 1)
     assert out["eval_every"] == -1 or out["eval_every"] >= 1

@@ -132,7 +132,10 @@ def test_run_names_must_be_plain(capsys, arg):
     ("--embedding_lr=-1", "--embedding_lr=-1.0: expected a finite number >= 0 (a learning rate)"),
     ("--matrix_lr=-0.01", "--matrix_lr=-0.01: expected a finite number >= 0 (a learning rate)"),
     ("--unembedding_lr=1e400", "--unembedding_lr=inf: expected a finite number >= 0 (a learning rate)"),
-    ("--init_lr_frac=1.5", "--init_lr_frac=1.5: expected a finite number in [0, 1]"),
+    ("--init_lr_frac=1.5", "--init_lr_frac=1.5: expected a finite number in (0, 1] (the lrs' multiplier: 0 would "
+     "train nothing)"),
+    ("--init_lr_frac=0", "--init_lr_frac=0.0: expected a finite number in (0, 1] (the lrs' multiplier: 0 would train "
+     "nothing)"),
     ("--final_lr_frac=-0.1", "--final_lr_frac=-0.1: expected a finite number in [0, 1]"),
     ("--weight_decay=-0.1", "--weight_decay=-0.1: expected a finite number >= 0"),
     ("--weight_decay=1e400", "--weight_decay=inf: expected a finite number >= 0"),
@@ -148,7 +151,8 @@ def test_learning_rates_and_optimizer_settings_in_range(capsys, arg, expected):
     Catches optimizer settings out of range going through: on the old code --embedding_lr=-1 trained silently,
     --matrix_lr=-0.01 died in Muon with a ValueError traceback, an infinite lr or weight decay made the weights NaN,
     --grad_clip=-1 silently turned clipping off, a fraction above 1 (init_lr_frac, warmup_ratio) scaled the lrs past
-    their values. Every `*_lr` is finite and >= 0, `*_frac` and the warmup/warmdown ratios in [0, 1].
+    their values, --init_lr_frac=0 (its help says > 0) trained nothing. Every `*_lr` is finite and >= 0, `*_frac` and
+    the warmup/warmdown ratios in [0, 1], init_lr_frac in (0, 1].
     """
     assert configure_error(capsys, RANGED, arg) == f"error: {expected}"
 
@@ -204,7 +208,7 @@ def test_edge_values_and_sentinels_stay_allowed(capsys):
     names for every run name.
     """
     args = ["--run_name=d4", "--base_run_name=my-run_1.2", "--source_run_name=", "--matrix_lr=0", "--embedding_lr=1e38",
-            "--unembedding_lr=0", "--init_lr_frac=0", "--final_lr_frac=1", "--warmup_ratio=1", "--grad_clip=0",
+            "--unembedding_lr=0", "--init_lr_frac=1e-9", "--final_lr_frac=1", "--warmup_ratio=1", "--grad_clip=0",
             "--eval_every=-1", "--save_every=1", "--keep_last=0", "--step=-1", "--max_problems=-1", "--top_k=0",
             "--temperature=0", "--device_batch_size=None", "--num_iterations=1", "--batch_size_margin=1",
             "--device_memory_gb=0.05", "--seed=0"]

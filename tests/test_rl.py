@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, TINY_TRAIN, free_port, grads, rel, run_script, spawn_ranks, tiny_model
+from helpers import REPO, TINY_TRAIN, free_port, grads, rel, run_script, same, spawn_ranks, tiny_model
 
 from nanotrain.common import exit_process
 from nanotrain.gpt import GPT, GPTConfig
@@ -232,9 +232,9 @@ def sft_base(shared_base_dir, tmp_path_factory):
     return base, jsonl
 
 
-def final_weights(base, run):
+def final_weights(base, run, name="model.pt"):
     ckpts = sorted(os.listdir(os.path.join(base, "rl", run, "checkpoints")))
-    return torch.load(os.path.join(base, "rl", run, "checkpoints", ckpts[-1], "model.pt"), weights_only=True)
+    return torch.load(os.path.join(base, "rl", run, "checkpoints", ckpts[-1], name), weights_only=True)
 
 
 @pytest.mark.slow  # the default run keeps the math above; this is the whole script three times
@@ -242,8 +242,9 @@ def final_weights(base, run):
 def test_chat_rl_resumes_exactly_after_sigterm(sft_base):
     """
     chat_rl stopped by SIGTERM once it has logged step 3, then --resume=True: the final parameters are bitwise equal
-    to an uninterrupted run's, and the run really updated the weights (some step had a gradient). Catches a resume
-    that re-seeds the rollouts, loses the prompt cursor or the optimizer state, or replays a step.
+    to an uninterrupted run's, so are the saved Python, NumPy and torch RNG states, and the run really updated the
+    weights (some step had a gradient). Catches a resume that re-seeds the rollouts, loses the prompt cursor or the
+    optimizer state, or replays a step, and one that restores the RNG states before the set-up that draws from them.
     """
     sft_base, jsonl = sft_base
     rl = [*RL, f"--tasks=jsonl:{jsonl}"]
@@ -264,6 +265,8 @@ def test_chat_rl_resumes_exactly_after_sigterm(sft_base):
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = final_weights(sft_base, "straight"), final_weights(sft_base, "cut")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (final_weights(sft_base, run, "rank_00000.pt")["rng"] for run in ("straight", "cut"))
+    assert sorted(ra) == ["numpy", "python", "torch"] and same(ra, rb)  # the RNG states too
     src = torch.load(os.path.join(sft_base, "sft", "s", "checkpoints", "step_000020", "model.pt"), weights_only=True)
     assert any(not torch.equal(a[k], src[k]) for k in a)
 

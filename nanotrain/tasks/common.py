@@ -180,6 +180,8 @@ def load_hub_rows(repo, config, split, source="hub", need=None):
         ext = next((e for e, f in files.items() if f), None)
         if ext is None:
             raise UserError(f"{source}: no {config}/{split}-*.parquet (or .jsonl, .arrow) files; {need}")
+        for path in files[ext]:  # datasets' own errors name neither the file nor the line
+            check_local_file(path, ext)
         args = dict(path={"jsonl": "json"}.get(ext, ext), data_files={split: files[ext]})
     else:
         raise UserError(f"{source}: no such directory (expected 'hub' or a local copy); {need}")
@@ -189,6 +191,35 @@ def load_hub_rows(repo, config, split, source="hub", need=None):
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise UserError(f"could not load {repo} {config} {split} ({type(e).__name__}: {reason}); {need}") from None
     return ds.to_list()
+
+
+def check_local_file(path, ext):
+    """
+    Raises UserError naming the file of a local copy that `datasets` would fail on without saying where: for .jsonl,
+    path:line of the first non-blank line that is not UTF-8 JSON holding an object; for .parquet, the file when its
+    footer cannot be read (cut or not parquet). Other formats are left to `datasets`.
+    """
+    if ext == "jsonl":
+        import json
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+                    raise UserError(f"{path}:{n}: not a UTF-8 JSON line ({str(e).splitlines()[0][:100]}); the local "
+                                    f"copy is damaged") from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path}:{n}: expected a JSON object (a row), got a {type(row).__name__}")
+    elif ext == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        try:
+            pq.read_metadata(path)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:100]}); the local copy "
+                            f"is damaged") from None
 
 
 # ----------------------------------------------------------------------------- the built-in tasks' shared parts
