@@ -5,6 +5,7 @@ AutoModelForCausalLM / AutoTokenizer from its directory, gives the project's fp3
 tokens, tiktoken's ids and the project's chat rendering. Skipped where transformers is not installed.
 """
 
+import json
 import os
 import sys
 
@@ -36,6 +37,15 @@ def config(vocab_size, n_layer=3):
     rotary base and a qk_scale other than their defaults."""
     return GPTConfig(max_seq_len=64, vocab_size=vocab_size, n_layer=n_layer, n_head=4, n_kv_head=2, model_dim=32,
                      value_embeds=True, smear=True, backout=True, x0_lambdas=True, rotary_base=1000.0, qk_scale=1.25)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run several times faster on one thread (thread start-up dominates their ops)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +102,9 @@ def test_logits_equal_full_cached_and_padded(exported, model, tok, monkeypatch):
     to that row alone). Catches, each run below as a wrong variant that must fail: rotary with the interleaved
     pairing (x[2i], x[2i+1]) instead of the two halves, the softcap forgotten, the value-embedding gate off (a
     constant 1), the smear's previous embedding lost between cached steps, and positions of a padded row counted
-    from the padding (they must count its tokens only); a wrong GQA grouping, QK norm before rotary, or qk_scale /
-    rotary_base / backout / lambdas ignored also change the logits by far more than 1e-5.
+    from the padding (they must count its tokens only); a wrong GQA grouping, or qk_scale / rotary_base / backout /
+    the lambdas ignored or misplaced also change the logits by far more than 1e-5. (QK norm before rotary is not
+    wrong: the RMS over the head dim is unchanged by the rotation.)
     """
     _, hf, _ = exported
     idx = rows_for(tok)
@@ -258,6 +269,70 @@ def test_round_trip_every_option(exported, model, tok, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "two"), trust_remote_code=True)
     assert sorted(loaded.value_embeds.keys()) == ["1"] and loaded.dtype == torch.bfloat16
     assert torch.equal(loaded.wte.weight.float(), two.wte.weight.bfloat16().float())
+
+
+LOCAL_TASK = """task: nanotrain_local_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+MC_ROWS = [{"question": "The cat sat on the", "choices": ["mat.", "cat", "42"], "answer": 0},
+           {"question": "What is 12 + 30? It is", "choices": ["42.", "fine", "there"], "answer": 0},
+           {"question": "Hello there, how are you", "choices": ["mat", "doing today?"], "answer": 1},
+           {"question": "I'm fine, thanks;", "choices": ["you're kind.", "It is 42."], "answer": 0}]
+
+
+@pytest.mark.unit
+def test_lm_eval_local_task_scores_the_project_loglikelihoods(exported, model, tok, tmp_path, monkeypatch):
+    """
+    lm-evaluation-harness (skipped where lm_eval is not installed) runs a local multiple-choice task YAML with local
+    JSONL rows, offline, on the exported directory (nanotrain.lm_harness.run_lm_eval): every request's
+    log-likelihood equals the project GPT's summed log-probability of the continuation " choice" after <|bos|> +
+    question (to 1e-4), and acc is the share of rows whose gold choice scores highest. Catches requests scored
+    without <|bos|> (the project's documents start with it), an exported model the harness cannot load, and the
+    per-row results read in another order; an unknown task is one UserError line.
+    """
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional (pip install lm_eval[hf])")
+    import huggingface_hub.constants
+
+    from nanotrain.lm_harness import run_lm_eval
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    path, _, _ = exported
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in MC_ROWS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "local_mc.yaml").write_text(LOCAL_TASK.format(data=data))
+    results, samples = run_lm_eval(path, "nanotrain_local_mc", str(tmp_path / "tasks"), log_samples=True)
+
+    def loglik(context, continuation, bos=True):
+        ctx = tok.encode(context, prepend="<|bos|>" if bos else None)
+        whole = tok.encode(context + continuation, prepend="<|bos|>" if bos else None)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([whole[:-1]]))[0], dim=-1)
+        return sum(logp[i - 1, whole[i]].item() for i in range(len(ctx), len(whole)))
+
+    rows = sorted(samples["nanotrain_local_mc"], key=lambda s: s["doc_id"])
+    assert len(rows) == len(MC_ROWS)
+    correct = 0
+    for row, sample in zip(MC_ROWS, rows):
+        want = [loglik(row["question"], " " + c) for c in row["choices"]]
+        got = [r[0][0] for r in sample["resps"]]
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(got, [loglik(row["question"], " " + c, False)
+                                                   for c in row["choices"]])) > 1e-3  # without <|bos|>
+        correct += want.index(max(want)) == row["answer"]
+    assert results["nanotrain_local_mc"]["acc,none"] == pytest.approx(correct / len(MC_ROWS))
+    with pytest.raises(UserError, match="no_such_task"):
+        run_lm_eval(path, "no_such_task", str(tmp_path / "tasks"))
 
 
 @pytest.mark.unit
