@@ -188,7 +188,9 @@ def test_tokenizer_ids_equal_tiktoken(exported, tok, monkeypatch):
     regex (contractions, 1-2 digit groups, unicode letters, runs of spaces, \\r\\n, a long repeated word) and decodes
     them back; with add_special_tokens it puts <|bos|> first; special tokens keep their ids. Catches each merge taken
     as the leftmost split of its token into two tokens instead of the split BPE itself reaches (run below: it must
-    fail), BPE without tiktoken's whole-piece shortcut, and a split regex other than the tokenizer's.
+    fail), no <|bos|> from add_special_tokens, and a split regex other than the tokenizer's. (Without tiktoken's
+    whole-piece shortcut, ignore_merges, the ids are the same: every token is reached by BPE over its own bytes,
+    which hf_tokenizer checks.)
     """
     _, _, hf_tok = exported
     texts = SENTENCES + TRICKY
