@@ -292,6 +292,8 @@ MC_ROWS = [{"question": "The cat sat on the", "choices": ["mat.", "cat", "42"], 
            {"question": "I'm fine, thanks;", "choices": ["you're kind.", "It is 42."], "answer": 0}]
 
 
+@pytest.mark.slow  # importing the optional harness and its run take ~20 s; the default tier keeps the exported
+# directory it reads (the tests above) and no other test runs the harness (lm_eval is not in requirements.txt)
 @pytest.mark.unit
 def test_lm_eval_local_task_scores_the_project_loglikelihoods(exported, model, tok, tmp_path, monkeypatch):
     """
