@@ -21,6 +21,7 @@ project encodes each part alone (equal ids whenever no merge crosses the parts' 
 """
 
 import importlib
+import json
 import os
 import shutil
 
@@ -185,6 +186,12 @@ def export_hf(model, tokenizer, path, dtype=None):
         with torch.no_grad():
             hf.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        config_file = os.path.join(tmp, "tokenizer_config.json")
+        with open(config_file, encoding="utf-8") as f:
+            tok_config = json.load(f)
+        # transformers 5 names its fast tokenizer TokenizersBackend; the older name loads in transformers 4 and 5
+        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        atomic_write_text(config_file, json.dumps(tok_config, indent=2) + "\n")
         for name in os.listdir(tmp):
             fsync_path(os.path.join(tmp, name))
         with open(MODELING_SOURCE, encoding="utf-8") as f:

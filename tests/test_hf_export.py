@@ -257,6 +257,8 @@ def test_round_trip_every_option(exported, model, tok, tmp_path):
     assert {f for f in os.listdir(path)} >= {"config.json", "model.safetensors", "modeling_nanotrain.py",
                                             "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
     assert sorted(os.listdir(os.path.dirname(path))) == ["export"]
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        assert json.load(f)["tokenizer_class"] == "PreTrainedTokenizerFast"
     for field, value in vars(model.config).items():
         assert getattr(hf.config, field) == value, field
     theirs, ours = hf.state_dict(), model.state_dict()
