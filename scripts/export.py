@@ -26,6 +26,7 @@ from nanotrain.checkpoint import load_model
 from nanotrain.common import UserError, run_script
 from nanotrain.configurator import configure
 from nanotrain.export import export_safetensors, load_safetensors
+from nanotrain.hf_export import export_hf, require_transformers
 
 format = "safetensors"  # safetensors (one file, this project's loader) | hf (a transformers directory)
 source = "sft"  # which training stage's checkpoints: base | mid | sft | rl
@@ -44,7 +45,6 @@ PROBE_TEXT = "Hello, world! It's 2024.\n\n  naïve café 日本語 x=12345; ok?\
 def export_hf_dir(model, tokenizer, run_dir, ckpt_path):
     """--format=hf: writes the transformers directory and, with --verify, loads it back through the Auto classes
     (offline: a local directory) and compares logits and the tokenizer's ids. Raises UserError on a mismatch."""
-    from nanotrain.hf_export import export_hf
     path = out or os.path.join(run_dir, "export", "hf")
     export_hf(model, tokenizer, path, dtype=DTYPES[dtype])
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
@@ -75,7 +75,6 @@ def main():
     if format not in ("safetensors", "hf"):
         raise UserError(f"--format={format!r}: expected 'safetensors' or 'hf'")
     if format == "hf":
-        from nanotrain.hf_export import require_transformers
         require_transformers()  # before the checkpoint is loaded: one line saying what to install
     # a damaged checkpoint is one UserError line naming its file (or, without --step, an older one is used)
     model, tokenizer, ckpt_path, meta = load_model(source, run_name, step, "cpu")
