@@ -201,6 +201,10 @@ def test_tokenizer_ids_equal_tiktoken(exported, tok, monkeypatch):
     assert hf_tok("The cat")["input_ids"] == tok.encode("The cat", prepend="<|bos|>")
     for name, i in tok.special_tokens.items():
         assert hf_tok.convert_tokens_to_ids(name) == i
+    digits = Tokenizer.train_from_iterator(iter(["12 34 2024 1999 123456 we'll I'M fine"] * 30), 256 + 9 + 24)
+    for t in ["12345 2024", "x=1234567;", "we'll I'M 1999"]:  # merged digit pairs: the 1-2 digit groups matter
+        assert hf_tokenizer(digits)(t, add_special_tokens=False)["input_ids"] == digits.encode(t), t
+
     def leftmost_split(ranks, token, max_rank):
         i = next(i for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks)
         return [token[:i], token[i:]]
@@ -251,7 +255,7 @@ def test_round_trip_every_option(exported, model, tok, tmp_path):
     (every tensor torch.equal after the load), modeling_nanotrain.py and the tokenizer files, and nothing else
     (no temporary copy beside it). A 2-layer export (value embeddings on the other parity of blocks) and a bfloat16
     export load too. Catches a field lost on the way (e.g. smear or qk_scale back at its default), a dropped or renamed
-    tensor and a config that ties lm_head to wte.
+    tensor, a config that ties lm_head to wte, and stop tokens other than Engine's.
     """
     path, hf, _ = exported
     assert {f for f in os.listdir(path)} >= {"config.json", "model.safetensors", "modeling_nanotrain.py",
@@ -265,6 +269,8 @@ def test_round_trip_every_option(exported, model, tok, tmp_path):
     assert sorted(theirs) == sorted(ours)
     assert all(torch.equal(theirs[k], ours[k]) for k in ours)
     assert hf.lm_head.weight.data_ptr() != hf.wte.weight.data_ptr()
+    stops = Engine(model, tok).stop_ids  # generate stops where Engine does
+    assert set(hf.config.eos_token_id) == stops and set(hf.generation_config.eos_token_id) == stops
 
     torch.manual_seed(1)
     two = GPT(config(tok.get_vocab_size(), n_layer=2))
