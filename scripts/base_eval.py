@@ -10,6 +10,7 @@ into the run's report card.
     python scripts/base_eval.py --eval_bundle=DIR --own_eval_bundle=True   # your own bundle
     python scripts/base_eval.py --mode=gold_bpb --step=0             # not CORE: gold-answer bpb
     torchrun --standalone --nproc_per_node=8 scripts/base_eval.py    # rows strided over 8 ranks
+    python scripts/base_eval.py --lm_eval_tasks=hellaswag,arc_easy   # lm-evaluation-harness (nanotrain/lm_harness.py)
 
 The eval bundle (~162 MB, the one nanochat uses) is downloaded once per machine into <base_dir>/eval_bundle.
 """
@@ -28,6 +29,7 @@ from nanotrain.core_eval import evaluate_core, write_results
 from nanotrain.downloads import rank0_first
 from nanotrain.errors import UserError
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
+from nanotrain.lm_harness import evaluate_checkpoint
 from nanotrain.report import write_section_or_warn
 from nanotrain.tokenizer import get_token_bytes
 from nanotrain.training import precision
@@ -40,6 +42,8 @@ own_eval_bundle = False  # True: --eval_bundle is your own bundle, not compared 
 max_per_task = -1  # rows per CORE task (shuffled with a fixed seed, then cut); -1 means all
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 device_type = ""  # cuda | mps | cpu; "" autodetects
+lm_eval_tasks = ""  # harness tasks (comma-separated) instead of CORE, on the checkpoint exported for transformers
+lm_eval_include = ""  # a directory of local harness task YAMLs (e.g. with local data files, offline)
 config = configure(globals())
 
 
@@ -48,6 +52,8 @@ def main():
     if mode not in ("core", "gold_bpb"):
         raise UserError(f"--mode={mode}: expected core or gold_bpb")
     _, rank, _, _, device = compute_init(device_type)
+    if lm_eval_tasks:  # max_per_task is the harness's row limit
+        return evaluate_checkpoint(run_name, step, device, lm_eval_tasks, lm_eval_include, max_per_task)
     # the data first: offline, the error comes before any checkpoint is read
     bundle = rank0_first(lambda: ensure_bundle(eval_bundle, own_eval_bundle), device) if mode == "core" else None
     rows = rank0_first(ensure_rows, device) if mode == "gold_bpb" else None
