@@ -261,6 +261,8 @@ RULES = {
     "threads": ints(0, note="0 keeps torch's default"),
     "prefetch": ints(0, also=-1, note="-1 is the loader's default"),
     "loader_seconds": reals(0, lo_open=True),
+    "budget_s": reals(0, lo_open=True, note="seconds"),  # gpu_check: wall-clock seconds for the whole check
+    "d20_steps": COUNT,  # gpu_check: optimizer steps of the depth-20 run after the batch-size discovery
 }
 SUFFIX_RULES = (
     ("_run_name", run_name_rule()),  # base_run_name, source_run_name, ...
