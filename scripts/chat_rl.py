@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from nanotrain import run, training
 from nanotrain.checkpoint import (
     check_resume,
     find_run_dir,
@@ -51,12 +52,10 @@ from nanotrain.errors import UserError
 from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.hardware import synchronize
 from nanotrain.rl import empty_micro_batch, group_advantages, pass_at_k, rl_micro_batches, rl_rows, rollout_seed
-from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due
 from nanotrain.sft_data import ConversationSampler, token_loss_scale
 from nanotrain.tasks.common import wilson_interval
 from nanotrain.tasks.registry import grade, load_task_mixture
 from nanotrain.tokenizer import get_tokenizer
-from nanotrain.training import check_finite, forward_backward, lr_multiplier, optimizer_step, precision
 
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/rl/<run_name>; "" means the source run's name
@@ -117,17 +116,18 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    compute_dtype, autocast_ctx = precision(dtype, device)
+    compute_dtype, autocast_ctx = training.precision(dtype, device)
     tokenizer = get_tokenizer()
     tokenizer_sha256 = tokenizer.fingerprint()
 
-    # the starting point: this run's checkpoint (resume) or the SFT checkpoint (fresh run)
+    # ------------------------------------------------------------------------- the starting point
+    # this run's checkpoint (resume) or the SFT checkpoint (fresh run)
     source_dir = find_run_dir("sft", source_run_name)
     if source_dir is None and not (resume and run_name):
         where = f" for --source_run_name={source_run_name}" if source_run_name else ""
         raise UserError(f"no sft checkpoint found{where}; train one first (python scripts/chat_sft.py)")
-    run_dir = get_run_dir("rl", run_name or os.path.basename(source_dir))
-    lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
+    run_dir = run.get_run_dir("rl", run_name or os.path.basename(source_dir))
+    run.lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
     ckpt = resume_checkpoint(run_dir, device, rank) if resume else None
     src = None
     if ckpt is None:
@@ -141,7 +141,8 @@ def main():
         check_resume(ckpt, run_dir, settings, RESUME_KEYS, world_size)
     model_config = GPTConfig(**start["meta"]["model_config"])
 
-    # data: the training prompts in a seeded order, the held-out prompts for pass@1
+    # ------------------------------------------------------------------------- data
+    # the training prompts in a seeded order, the held-out prompts for pass@1
     train = load_task_mixture(tasks, "train", seed)
     val = load_task_mixture(tasks, "val", seed)[:eval_problems]
     train_prompts = [tokenizer.render_for_completion(c) for c in train]
@@ -151,7 +152,8 @@ def main():
     epoch_steps = max(1, len(train) // examples_per_step)
     total_steps = num_iterations if num_iterations is not None else epoch_steps
 
-    # model and optimizers: the source weights (or this run's checkpoint) in fp32, the lrs scaled by init_lr_frac
+    # ------------------------------------------------------------------------- model and optimizers
+    # the source weights (or this run's checkpoint) in fp32, the lrs scaled by init_lr_frac
     seed_everything(seed)
     model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
@@ -175,7 +177,7 @@ def main():
     print0(f"Rollouts: {examples_per_step} prompts x {num_samples} samples per step, temperature {temperature}, "
            f"top_k {top_k}, <= {max_new_tokens} new tokens; micro-batches of {device_batch_size} samples")
     print0(f"Steps: {total_steps:,} ({total_steps / epoch_steps:.2f} epochs of {epoch_steps} steps)")
-    metrics = open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
+    metrics = run.open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": settings, "model_config": vars(model_config), "tokenizer_sha256": tokenizer_sha256,
@@ -195,7 +197,7 @@ def main():
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an evaluation crash never loses the training
-        if save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
+        if run.save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True "
@@ -244,15 +246,15 @@ def main():
         count, reward_sum, n_samples, length_sum, pass_k_sum, n_groups, step_tokens = stats.tolist()
         n_batches = int(n_batches.item())
         batches += [empty_micro_batch(pad_id, device) for _ in range(n_batches - len(batches))]  # same count per rank
-        lrm = lr_multiplier(step, total_steps, 0.0, 1.0, 0.0)
+        lrm = training.lr_multiplier(step, total_steps, 0.0, 1.0, 0.0)
         grad_norm = None
         if n_batches > 0:  # some prompt's samples disagree: a gradient (else nothing to learn from this step)
-            loss = forward_backward(model, batches, autocast_ctx,
+            loss = training.forward_backward(model, batches, autocast_ctx,
                                     loss_scale=token_loss_scale(int(count), world_size if is_ddp else 1))
             loss = all_reduce_scalar(loss, "mean", device)  # the step's loss: the sum over ranks / the global count
-            check_finite(loss, step, run_dir)
-            grad_norm = optimizer_step(orig_model, optimizers, lrm, MUON_MOMENTUM, grad_clip)
-            check_finite(grad_norm.item(), step, run_dir, "gradient norm")
+            training.check_finite(loss, step, run_dir)
+            grad_norm = training.optimizer_step(orig_model, optimizers, lrm, MUON_MOMENTUM, grad_clip)
+            training.check_finite(grad_norm.item(), step, run_dir, "gradient norm")
         else:
             orig_model.zero_grad(set_to_none=True)
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
@@ -275,7 +277,7 @@ def main():
 
     summary = (f"Done: {step} steps, training time {train_time / 60:.2f} min, final held-out pass@1 "
                f"{pass1 if pass1 is None else round(pass1, 4)}")
-    finish_run(orig_model, run_dir, "rl", metrics, t_start, summary)
+    run.finish_run(orig_model, run_dir, "rl", metrics, t_start, summary)
 
 
 if __name__ == "__main__":
