@@ -12,8 +12,7 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
   (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
   (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
 - the head's loss in chunks of tokens (nanotrain.kernels): training never holds (B, T, vocab) logits
-- optional activation checkpointing per block (model.activation_checkpointing = True): Chen et al. 2016, "Training
-  Deep Nets with Sublinear Memory Cost"; torch.utils.checkpoint, non-reentrant, as torchtitan/nanotron do per layer.
+- optional activation checkpointing per block, selective or full (model.activation_checkpointing; nanotrain.recompute).
 """
 
 import math
@@ -23,7 +22,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.checkpoint import checkpoint
 
 from nanotrain.attention import (  # noqa: F401 (KVCache, segment_info: part of this module's interface)
     KVCache,
@@ -35,7 +33,7 @@ from nanotrain.attention import (  # noqa: F401 (KVCache, segment_info: part of 
 )
 from nanotrain.common import UserError
 from nanotrain.kernels import linear_cross_entropy, norm, relu_squared_proj  # noqa: F401 (norm: interface)
-from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
+from nanotrain.recompute import policy_name, run_block
 
 SOFTCAP = 15.0
 GATE_CHANNELS = 12  # the value-embedding and smear gates read this many leading channels of their input
@@ -77,11 +75,6 @@ def config_from_depth(depth, vocab_size, max_seq_len, **options):
         n_head -= 1
     return GPTConfig(max_seq_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, model_dim=model_dim, **options)
-
-
-def adamw_lr_scale(model_dim):
-    """The factor of the AdamW lrs (embedding, lm_head): (model_dim / 768) ** -0.5, as in nanochat."""
-    return (model_dim / 768) ** -0.5
 
 
 class CausalSelfAttention(nn.Module):
@@ -151,13 +144,10 @@ class GPT(nn.Module):
     embeddings), smear_gate and smear_lambda, backout_lambda, resid_lambdas and x0_lambdas ((n_layer,)); absent
     options are None. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
 
-    activation_checkpointing (attribute, default False; the scripts' --activation_checkpointing sets it on the built
-    model before DDP / torch.compile): when True, a forward in training mode with grad enabled and without a KV cache
-    keeps only each block's input and recomputes the block during backward (torch.utils.checkpoint.checkpoint,
-    use_reentrant=False, so it composes with torch.compile, DDP, doc_ids packing and FakeTensorMode). Saves the
-    activations inside the blocks (~all of them but the residual stream and the head) for ~1 extra block forward per
-    step (~+33% FLOPs, not counted in estimate_flops). Loss and gradients are unchanged (the model has no dropout, so
-    the RNG state is not replayed). Not a config field: it changes memory and speed, not the model.
+    activation_checkpointing (attribute, default "none"; the scripts' --activation_checkpointing sets it on the built
+    model before DDP / torch.compile): "none", "selective" or "full" (True/False: "full"/"none"), applied to every
+    block (nanotrain.recompute.run_block) in a forward in training mode with grad enabled and without a KV cache. Loss and gradients are unchanged; memory goes down and compute up (estimate_flops does not
+    count the recomputation). Not a config field: it changes memory and speed, not the model.
     """
 
     def __init__(self, config):
@@ -169,7 +159,7 @@ class GPT(nn.Module):
             raise UserError(f"GPTConfig: need model_dim % n_head == 0, n_head % n_kv_head == 0 and an even head_dim "
                             f"(got model_dim={c.model_dim}, n_head={c.n_head}, n_kv_head={c.n_kv_head})")
         self.config = config
-        self.activation_checkpointing = False
+        self.activation_checkpointing = "none"
         self.loss_chunk_size = None  # tokens per chunk of the head's loss; None: kernels.chunk_size_for the shapes
         self.head_dim = c.model_dim // c.n_head
         # on the meta device nn.Embedding's own init would import torch._dynamo (a slow import) for
@@ -258,55 +248,6 @@ class GPT(nn.Module):
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return float(6 * matmul_params + 12 * c.n_layer * c.n_head * self.head_dim * c.max_seq_len)
 
-    def setup_optimizers(self, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5,
-                         weight_decay=0.0, adam_betas=(0.8, 0.95), ns_dtype="", muon_weight_decay=0.0,
-                         polar_express=True, muon_beta2=0.0, embedding_beta2=None, unembedding_beta2=None):
-        """
-        Returns [adamw, muon]. Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device,
-        see nanotrain.muon.ns_dtype_for; polar_express, NorMuon's beta2 muon_beta2 (0: off), cautious weight decay
-        muon_weight_decay) for the blocks' matrices (value-embedding gates included). torch AdamW
-        (eps 1e-10; fused on CUDA, torch's default elsewhere) for the rest, in groups, with s = adamw_lr_scale:
-        lm_head unembedding_lr * s; wte embedding_lr * s; value embeddings embedding_lr * s / 2 (these three with
-        betas adam_betas, the second one replaced by unembedding_beta2 for lm_head and embedding_beta2 for the two
-        embeddings where given, and weight_decay); resid_lambdas scalar_lr / 100; x0_lambdas scalar_lr with beta1 0.96;
-        the smear gate, smear_lambda and backout_lambda 0.4 * scalar_lr (the lambdas without weight decay). The group
-        structure follows nanochat (2026). Every param group gets "initial_lr" = its lr.
-        Plain single-process optimizers: under DDP the gradients are averaged before step(). With ns_dtype "" the
-        per-device choice is settled here, which on CPU under torch.distributed is a collective: every rank must call
-        this (the scripts and the auto batch size probes all do). Raises UserError for an unknown ns_dtype.
-        """
-        if ns_dtype and ns_dtype not in NS_DTYPES:
-            raise UserError(f"--ns_dtype={ns_dtype!r}: expected 'float32', 'bfloat16' or '' (chosen per device)")
-        matrix_params = list(self.blocks.parameters())
-        s = adamw_lr_scale(self.config.model_dim)
-        b1, b2 = adam_betas
-        smear_backout = [p for p in (self.smear_gate and self.smear_gate.weight, self.smear_lambda,
-                                     self.backout_lambda) if p is not None]
-        head_betas = (b1, b2 if unembedding_beta2 is None else unembedding_beta2)
-        embed_betas = (b1, b2 if embedding_beta2 is None else embedding_beta2)
-        groups = [  # (params, lr, betas, weight decay)
-            ([self.lm_head.weight], unembedding_lr * s, head_betas, weight_decay),
-            ([self.wte.weight], embedding_lr * s, embed_betas, weight_decay),
-            (list(self.value_embeds.parameters()), embedding_lr * s / 2, embed_betas, weight_decay),
-            ([self.resid_lambdas] if self.resid_lambdas is not None else [], scalar_lr / 100, adam_betas, 0.0),
-            ([self.x0_lambdas] if self.x0_lambdas is not None else [], scalar_lr, (0.96, b2), 0.0),
-            (smear_backout, 0.4 * scalar_lr, adam_betas, 0.0),
-        ]
-        groups = [g for g in groups if g[0]]
-        all_ids = [id(p) for p in matrix_params] + [id(p) for g in groups for p in g[0]]
-        assert len(all_ids) == len(set(all_ids)) and set(all_ids) == {id(p) for p in self.parameters()}
-        if not ns_dtype:  # settle the per-device choice now: on CPU under torch.distributed it is one collective
-            ns_dtype_for(self.wte.weight.device)  # (every rank sets up its optimizers; none may decide mid-step)
-        on_cuda = self.wte.weight.device.type == "cuda"
-        adamw = torch.optim.AdamW([dict(params=ps, lr=lr, betas=betas, weight_decay=wd) for ps, lr, betas, wd in groups],
-                                  eps=1e-10, fused=True if on_cuda else None)
-        muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95, ns_dtype=ns_dtype, polar_express=polar_express,
-                    beta2=muon_beta2, weight_decay=muon_weight_decay)
-        for opt in (adamw, muon):
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"]
-        return [adamw, muon]
-
     def smear(self, x, kv_cache=None, segments=None):
         """
         x_t + smear_lambda * sigmoid(smear_gate(x_t[:12])) * x_{t-1} for every token t of x (B, T, model_dim), the
@@ -374,17 +315,15 @@ class GPT(nn.Module):
         if self.smear_gate is not None:
             x = self.smear(x, kv_cache, segments)
         x0 = x  # the embedding, mixed back in before every block (x0_lambdas)
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
+        training = self.training and torch.is_grad_enabled() and kv_cache is None
+        policy = policy_name(self.activation_checkpointing) if training else "none"
         backout_idx = self.config.n_layer // 2  # the middle block (the second of two middles)
         for i, block in enumerate(self.blocks):
-            def run_block(x, i=i, block=block):  # the value-embedding lookup inside: recomputed, not kept, under AC
+            def block_fn(x, i=i, block=block):  # the value-embedding lookup inside: recomputed, not kept, under AC
                 ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
                 mix = (self.resid_lambdas[i], self.x0_lambdas[i], x0) if self.x0_lambdas is not None else None
                 return block(x, cos_sin, kv_cache, segments, ve, mix)
-            if recompute:  # keep only the block's input; its inside is recomputed in backward
-                x = checkpoint(run_block, x, use_reentrant=False, preserve_rng_state=False)
-            else:
-                x = run_block(x)
+            x = run_block(block_fn, x, policy)
             if i == backout_idx:
                 x_mid = x
         if self.backout_lambda is not None:  # backout: take a learned share of the middle layer's output away

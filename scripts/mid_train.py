@@ -50,8 +50,9 @@ from nanotrain.configurator import configure
 from nanotrain.conversations import load_task_mixture
 from nanotrain.dataloader import ConversationTokenStream
 from nanotrain.engine import Engine
-from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
@@ -186,7 +187,7 @@ def main():
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
-    optimizers = model.setup_optimizers(**opt_kwargs)
+    optimizers = setup_optimizers(model, **opt_kwargs)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")

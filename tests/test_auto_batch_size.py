@@ -32,6 +32,7 @@ from nanotrain.autobatch.search import candidate_batch_sizes, discover_device_ba
 from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
 from nanotrain.common import UserError
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import OOM_MESSAGES, forward_backward, is_oom_error, micro_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -533,7 +534,7 @@ def passed_model():
     torch.manual_seed(0)
     model = SimulatedOOMGPT(TINY_GPT)
     model.init_weights()
-    return model, model.setup_optimizers()
+    return model, setup_optimizers(model)
 
 
 def passed_tiny():
