@@ -4,15 +4,12 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - QK norm (applied after rotary, as nanochat does), parameter-free RMSNorm (F.rms_norm), norm after the embedding
 - pre-norm blocks, no biases, ReLU^2 MLP with 4x width (So et al. 2021, "Primer"), untied wte / lm_head
 - logit soft-cap 15 * tanh(logits / 15) in fp32 (Gemma 2 / modded-nanogpt), optional GQA (Ainslie et al. 2023)
-- zero-initialised output projections; Muon for block matrices, AdamW for the embeddings, lm_head and scalars.
+- zero-initialised output projections; its optimizers (Muon, AdamW) are set up in nanotrain.optim
 - options (GPTConfig; each default's evidence: dev/LOG.md, "The ablation table in one stack"): value embeddings on every
-  other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear (default off), backout, x0 /
-  resid lambdas, rotary_base and qk_scale.
-- packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
-  (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
-  (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
-- the head's loss in chunks of tokens (nanotrain.kernels): training never holds (B, T, vocab) logits
-- optional activation checkpointing per block, selective or full (model.activation_checkpointing; nanotrain.recompute).
+  other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear, backout, x0 / resid lambdas.
+- packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself, rotary
+  positions restarting at 0 (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination").
+- the head's loss in chunks of tokens (nanotrain.kernels); activation checkpointing per block (nanotrain.recompute).
 """
 
 import math
@@ -125,9 +122,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos_sin, kv_cache=None, segments=None, ve=None, x0_mix=None):
-        """x: (B, T, model_dim); ve: the value embedding (B, T, kv_dim) or None; x0_mix: (resid_lambda, x0_lambda,
-        x0) or None, mixed as resid_lambda * x + x0_lambda * x0 first (inside the block, so activation checkpointing
-        keeps only the unmixed input)."""
+        """x: (B, T, model_dim); ve: the value embedding (B, T, kv_dim) or None; x0_mix: (resid_lambda, x0_lambda, x0)
+        or None, mixed in first as resid_lambda * x + x0_lambda * x0 (inside: checkpointing keeps the unmixed x)."""
         if x0_mix is not None:
             resid_lambda, x0_lambda, x0 = x0_mix
             x = resid_lambda.to(x.dtype) * x + x0_lambda.to(x.dtype) * x0
@@ -144,10 +140,9 @@ class GPT(nn.Module):
     embeddings), smear_gate and smear_lambda, backout_lambda, resid_lambdas and x0_lambdas ((n_layer,)); absent
     options are None. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
 
-    activation_checkpointing (attribute, default "none"; the scripts' --activation_checkpointing sets it on the built
-    model before DDP / torch.compile): "none", "selective" or "full" (True/False: "full"/"none"), applied to every
-    block (nanotrain.recompute.run_block) in a forward in training mode with grad enabled and without a KV cache. Loss and gradients are unchanged; memory goes down and compute up (estimate_flops does not
-    count the recomputation). Not a config field: it changes memory and speed, not the model.
+    activation_checkpointing (attribute, set before DDP / torch.compile): "none" (default), "selective" or "full"
+    (True/False: "full"/"none"), for every block (nanotrain.recompute) of a training forward with grad and no KV
+    cache; same loss and gradients, less memory, more compute (not in estimate_flops). Not a config field.
     """
 
     def __init__(self, config):
@@ -162,11 +157,10 @@ class GPT(nn.Module):
         self.activation_checkpointing = "none"
         self.loss_chunk_size = None  # tokens per chunk of the head's loss; None: kernels.chunk_size_for the shapes
         self.head_dim = c.model_dim // c.n_head
-        # on the meta device nn.Embedding's own init would import torch._dynamo (a slow import) for
-        # nothing: hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
+        # on the meta device nn.Embedding's own init would import torch._dynamo (a slow import) for nothing: an empty
+        # weight there (init_weights sets every weight anyway); elsewhere it is unchanged
         w = torch.empty(c.vocab_size, c.model_dim)
-        self.wte = nn.Embedding(c.vocab_size, c.model_dim, _weight=w) if w.is_meta else nn.Embedding(c.vocab_size,
-                                                                                                      c.model_dim)
+        self.wte = nn.Embedding(c.vocab_size, c.model_dim, _weight=w if w.is_meta else None)
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.n_layer)])
         self.lm_head = nn.Linear(c.model_dim, c.vocab_size, bias=False)
         kv_dim = c.n_kv_head * self.head_dim
@@ -234,8 +228,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_scaling_params(self):
-        """Parameters that size the training horizon (tokens per parameter): all but the value-embedding tables,
-        so that turning them on does not lengthen the run (int)."""
+        """Parameters (int) that size the training horizon: all but the value-embedding tables (they add no tokens)."""
         return self.num_params() - sum(p.numel() for p in self.value_embeds.parameters())
 
     def estimate_flops(self):

@@ -74,8 +74,8 @@ def ns_dtype_for(device):
     The Newton-Schulz compute dtype Muon uses on `device` when none is given: torch.bfloat16 where bf16 matmuls are
     fast (nanotrain.common.fast_bf16: CUDA, as modded-nanogpt and nanochat; on CPU only where they are native), else
     torch.float32 (CPUs that emulate bf16 run it several times slower than fp32). Settled once per process; on CPU
-    under torch.distributed the first call is collective, which is why nanotrain.optim.setup_optimizers makes it on every rank
-    before the first step. Returns a torch.dtype.
+    under torch.distributed the first call is collective, which is why nanotrain.optim.setup_optimizers makes it on
+    every rank before the first step. Returns a torch.dtype.
     """
     return torch.bfloat16 if fast_bf16(device) else torch.float32
 
@@ -142,14 +142,15 @@ class Muon(torch.optim.Optimizer):
     Cautious weight decay ("Cautious Weight Decay", Chen et al. 2025, arXiv:2510.12402) decays only the entries whose
     update already moves them towards zero; it scales with the scheduled lr, so it decays with it.
     ns_dtype: the Newton-Schulz compute dtype, "float32" or "bfloat16" ("" or None: ns_dtype_for the parameter's
-    device: nanotrain.common.fast_bf16); a string so the optimizer state stays loadable with torch.load(weights_only=True).
-    lr, momentum and weight_decay are read from the param group at every step (schedules may change them, e.g. the
-    momentum warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped. zeropower (attribute): the
-    orthogonalisation, zeropower_via_newtonschulz5 unless nanotrain.optim.compile_optimizer_step compiled it. state_dict/load_state_dict are the
-    standard torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p, and with beta2 > 0
-    "second_moment"; DTensors sharded like p under FSDP2). The defaults are plain Muon; nanotrain.optim.setup_optimizers
-    turns the rest on. Raises ValueError for a parameter that is not 2-D, a negative lr/momentum/weight_decay, beta2 outside
-    [0, 1) or an unknown ns_dtype.
+    device: nanotrain.common.fast_bf16); a string so the optimizer state stays loadable with
+    torch.load(weights_only=True). lr, momentum and weight_decay are read from the param group at every step
+    (schedules may change them, e.g. the momentum warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped.
+    zeropower (attribute): the orthogonalisation, zeropower_via_newtonschulz5 unless
+    nanotrain.optim.compile_optimizer_step compiled it. state_dict/load_state_dict are the standard
+    torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p, and with beta2 > 0 "second_moment";
+    DTensors sharded like p under FSDP2). The defaults are plain Muon; nanotrain.optim.setup_optimizers turns the rest
+    on. Raises ValueError for a parameter that is not 2-D, a negative lr/momentum/weight_decay, beta2 outside [0, 1)
+    or an unknown ns_dtype.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="", polar_express=False,

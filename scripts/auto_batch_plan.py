@@ -113,8 +113,8 @@ def main():
                 print(f"{d:>5} | auto: nothing fits under any policy")
             else:
                 print(f"{d:>5} | auto: {chosen}, device_batch_size={found[chosen][0]}, recompute "
-                      f"{100 * found[chosen][1]:.1f}% (the first policy reaching {needed} rows, else the largest size "
-                      f"recomputing <= {100 * AUTO_MAX_RECOMPUTE:g}%)")
+                      f"{100 * found[chosen][1]:.1f}% (among the policies recomputing <= "
+                      f"{100 * AUTO_MAX_RECOMPUTE:g}%: the first reaching {needed} rows, else the largest size)")
     print(f"Estimated in {time.perf_counter() - t0:.1f}s.")
 
 

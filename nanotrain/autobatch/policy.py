@@ -89,7 +89,8 @@ def discover_with_policy(make_builder, policy, *, device_batch_size=None, log=pr
                 f"{100 * AUTO_MAX_RECOMPUTE:g}%, and a cheaper policy fits: not probed")
             continue
         try:
-            size, records[p] = discover_device_batch_size(build, log=log, **{**discover_kwargs, "max_batch_size": needed})
+            size, records[p] = discover_device_batch_size(build, log=log,
+                                                          **{**discover_kwargs, "max_batch_size": needed})
         except UserError:
             size = None
         found[p] = (size, extra)
