@@ -348,7 +348,7 @@ def test_discovery_finds_a_larger_batch_and_its_own_cache_entry(tmp_path, monkey
                                                 device_memory_gb=gb, **args)
     assert plain < 16 <= ckpt, (plain, ckpt)
     assert not rec_ckpt["cache_hit"] and rec_ckpt["cache_path"] != rec_plain["cache_path"]
-    assert rec_ckpt["cache_key"]["key_fields"]["activation_checkpointing"] == "full"
+    assert rec_ckpt["cache_key"]["key_fields"]["activation_checkpointing"] is True
     assert os.path.exists(rec_plain["cache_path"]) and os.path.exists(rec_ckpt["cache_path"])
 
 
