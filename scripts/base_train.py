@@ -209,8 +209,9 @@ def main():
     model = build_model(model_config, device, ckpt, vocab_size, tokenizer_sha256=tokenizer_sha256,
                         init_device=torch.device("cpu") if use_fsdp else None)  # FSDP: whole on the host only
     model.activation_checkpointing = ac_policy  # before FSDP / DDP / compile wrap it
-    if use_fsdp:  # in place, block by block onto the device (the CPU init equals DDP's on CPU, not CUDA's RNG)
-        shard_model(model, device, compute_dtype)
+    if use_fsdp:  # in place, block by block onto the device (the CPU init equals DDP's on CPU, not CUDA's RNG);
+        # with --compile each block is compiled before it is sharded (compile, then wrap)
+        shard_model(model, device, compute_dtype, compile_backend="inductor" if use_compile else None)
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
@@ -222,8 +223,9 @@ def main():
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")
-    if use_compile:  # compile, then wrap in DDP (torch's documented order); the optimizer step compiled too
-        model = torch.compile(model, dynamic=False)
+    if use_compile:  # compile, then wrap in DDP (torch's documented order; FSDP: the blocks, above); the optimizer step
+        if not use_fsdp:
+            model = torch.compile(model, dynamic=False)
         compile_optimizer_step(optimizers, device)
     if is_ddp and not use_fsdp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
