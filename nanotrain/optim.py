@@ -61,8 +61,9 @@ class AdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a gradient. Returns closure() if given, else None."""
-        if self.update is None:
-            return super().step(closure)
+        if self.update is None:  # torch's step, without its hook wrapper: this class's own wrapper ran the hooks
+            step = torch.optim.AdamW.step
+            return (step.__wrapped__ if getattr(step, "hooked", False) else step)(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():

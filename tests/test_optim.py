@@ -173,3 +173,23 @@ def test_falls_back_when_a_kernel_fails_to_build(capsys):
         assert working.compiled and capsys.readouterr().out == ""
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("compiled", [False, True])
+def test_step_hooks_run_once(compiled):
+    """Optimizer step pre/post hooks (OSFT's projection uses them) run exactly once per AdamW step, eager and
+    compiled, also when torch's own AdamW.step has been wrapped with hooks by another instance. Catches a subclass
+    whose step calls the hooked parent step (every hook would run twice, and OSFT's post hook fails)."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # torch wraps AdamW.step with its hook caller
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = AdamW([p], lr=0.1)
+    if compiled:
+        opt.update = adamw_update  # the step's other path; compiling it is test_compiled_optimizer_step_equals_eager's
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    for _ in range(2):
+        p.grad = torch.ones(3)
+        opt.step()
+    assert calls == ["pre", "post"] * 2 and p.detach().lt(1).all()
