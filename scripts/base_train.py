@@ -137,6 +137,7 @@ def main():
     master = rank == 0
     compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
     use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
+    ac_policy = policy_name(activation_checkpointing, allow_auto=True)  # auto: chosen with the device batch size
     use_fsdp = fsdp and world_size > 1
     if fsdp and not use_fsdp:
         print0("--fsdp=True with one process: nothing to shard, training without FSDP")
@@ -165,7 +166,6 @@ def main():
     # device batch size: given, discovered (before the model is built, so CUDA probes have the memory), or 32;
     # only grad_accum_steps depends on it, the optimization does not
     device_batch_size = config["device_batch_size"]
-    ac_policy = policy_name(activation_checkpointing, allow_auto=True)  # auto: chosen with the device batch size
     step_down = None  # with a discovered size: steps every rank down to a smaller size on out-of-memory
     if device_batch_size is not None and auto_batch_size:
         print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
