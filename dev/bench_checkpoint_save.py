@@ -25,6 +25,7 @@ from nanotrain.common import autodetect_device_type, get_base_dir, rng_state, ru
 from nanotrain.configurator import configure
 from nanotrain.gpt import GPT, config_from_depth
 from nanotrain.hardware import synchronize
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 
 depth = 4  # model depth (model_dim = 64 * depth), as in runs/cpu.sh
@@ -49,7 +50,7 @@ def main():
     torch.manual_seed(seed)
     model = GPT(config_from_depth(depth, vocab_size, max_seq_len)).to(device)
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     rows = total_batch_size // max_seq_len
     g = torch.Generator().manual_seed(seed)
     out = tempfile.mkdtemp(prefix="bench_save_", dir=get_base_dir())

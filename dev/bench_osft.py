@@ -17,6 +17,7 @@ from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.gpt import GPT, config_from_depth
 from nanotrain.hardware import synchronize
+from nanotrain.optim import setup_optimizers
 from nanotrain.osft import MATRIX_PATTERNS, OSFT, parse_matrices
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 
@@ -43,7 +44,7 @@ def build(device, with_osft):
     torch.manual_seed(seed)
     model = GPT(config_from_depth(depth, vocab_size, max_seq_len)).to(device)
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     osft = None
     if with_osft:
         osft = OSFT(model, osft_rank_ratio, osft_matrices)

@@ -23,6 +23,7 @@ import torch
 
 from nanotrain.common import seed_everything
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import forward_backward, lr_multiplier, micro_batches, muon_momentum, optimizer_step
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "loss_curve_tiny.json")
@@ -66,7 +67,7 @@ def train_curve(seed=SETTINGS["seed"], steps=SETTINGS["steps"], lrm_fn=lr_multip
             model = GPT(GPTConfig(**CONFIG))
         model.to_empty(device="cpu")
         model.init_weights()
-        optimizers = model.setup_optimizers(ns_dtype="float32")  # not chosen per CPU: the curve is machine-independent
+        optimizers = setup_optimizers(model, ns_dtype="float32")  # not chosen per CPU: the curve is machine-independent
         losses = []
         for step in range(steps):
             rows = bigram_rows(step, s["rows"], CONFIG["max_seq_len"] + 1, CONFIG["vocab_size"], s["data_seed"])

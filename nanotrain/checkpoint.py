@@ -183,7 +183,7 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
 def load_optimizers(model, optimizers, states):
     """
     Loads the optimizer states of a checkpoint (the "optim" list of load_checkpoint) into `optimizers`, the list
-    model.setup_optimizers() returned. For a model sharded with FSDP2 each rank keeps its shard of the full states
+    setup_optimizers(model) returned. For a model sharded with FSDP2 each rank keeps its shard of the full states
     (collective; nanotrain.fsdp.load_optimizer_states), else opt.load_state_dict. The learning rates and weight decay
     of this run's flags win over the checkpoint's: every param group keeps the "initial_lr" and "weight_decay" that
     setup_optimizers gave it (a loaded state dict would bring the saved ones back). Returns the list of changes as

@@ -9,8 +9,10 @@ r*ceil(n/world) onwards, as torch.chunk splits them). Each transformer block is 
 its forward and backward, one reduce-scatter of its gradients), the root module holds the rest (wte, lm_head).
 Muon gathers each matrix's update itself (nanotrain.muon); AdamW works on the shards elementwise. Checkpoints are
 gathered into exactly the files a DDP or single-process run writes (nanotrain.checkpoint), so runs can switch modes.
-torch.compile composes: scripts compile the sharded root; FSDP2's hooks are excluded from Dynamo tracing
-(torch._dynamo.disable), so the graph breaks at each block's all-gather and the blocks compile as separate graphs.
+torch.compile composes, compile then shard (torch's "Where to apply torch.compile?": compile the modules a
+distributed wrapper is given, not the wrapper; torchtitan does the same per block): shard_model(compile_backend=...)
+compiles each block in place (nn.Module.compile) before fully_shard; the root (embedding, head, chunked loss) stays
+eager, and FSDP2's hooks, excluded from Dynamo tracing, run between the compiled blocks.
 torch.distributed.fsdp/.tensor are slow to import: they are imported inside the functions.
 """
 
@@ -45,7 +47,7 @@ def mixed_precision_policy(compute_dtype):
     return policy
 
 
-def shard_model(model, device, compute_dtype):
+def shard_model(model, device, compute_dtype, compile_backend=None):
     """
     Shards a GPT in place with fully_shard and returns it (now also an FSDPModule): each block of model.blocks first,
     resharded after its forward (its all-gathered weights are freed and gathered again for backward), then the root
@@ -53,7 +55,8 @@ def shard_model(model, device, compute_dtype):
     on device.type (nccl on CUDA, gloo on CPU: the process group of nanotrain.common.compute_init).
     model: fp32 parameters on the CPU or on `device` (fully_shard moves each group to `device` before cutting it,
     so only one group at a time is whole on the device). compute_dtype: torch.bfloat16 or torch.float32
-    (mixed_precision_policy).
+    (mixed_precision_policy). compile_backend: None (no compile) or a torch.compile backend ("inductor"): each block
+    is compiled in place (block.compile(dynamic=False, backend=...)) before it is sharded.
     Raises RuntimeError if no process group is initialised.
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -64,6 +67,8 @@ def shard_model(model, device, compute_dtype):
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = mixed_precision_policy(compute_dtype)
     for block in model.blocks:
+        if compile_backend is not None:  # compile, then shard
+            block.compile(dynamic=False, backend=compile_backend)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model

@@ -4,16 +4,12 @@ The GPT model, following nanochat v0/v1 (karpathy/nanochat `nanochat/gpt.py`), i
 - QK norm (applied after rotary, as nanochat does), parameter-free RMSNorm (F.rms_norm), norm after the embedding
 - pre-norm blocks, no biases, ReLU^2 MLP with 4x width (So et al. 2021, "Primer"), untied wte / lm_head
 - logit soft-cap 15 * tanh(logits / 15) in fp32 (Gemma 2 / modded-nanogpt), optional GQA (Ainslie et al. 2023)
-- zero-initialised output projections; Muon for block matrices, AdamW for the embeddings, lm_head and scalars.
+- zero-initialised output projections; its optimizers (Muon, AdamW) are set up in nanotrain.optim
 - options (GPTConfig; each default's evidence: dev/LOG.md, "The ablation table in one stack"): value embeddings on every
-  other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear (default off), backout, x0 /
-  resid lambdas, rotary_base and qk_scale.
-- packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself
-  (block-diagonal causal attention) with rotary positions restarting at 0, as in padding-free SFT packing
-  (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination"; HF DataCollatorWithFlattening).
-- the head's loss in chunks of tokens (nanotrain.kernels): training never holds (B, T, vocab) logits
-- optional activation checkpointing per block (model.activation_checkpointing = True): Chen et al. 2016, "Training
-  Deep Nets with Sublinear Memory Cost"; torch.utils.checkpoint, non-reentrant, as torchtitan/nanotron do per layer.
+  other block (ResFormer-style, as in nanochat 2026 / modded-nanogpt; default on), smear, backout, x0 / resid lambdas.
+- packed rows (forward(..., doc_ids=...)): several sequences in one row, each attending only to itself, rotary
+  positions restarting at 0 (Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination").
+- the head's loss in chunks of tokens (nanotrain.kernels); activation checkpointing per block (nanotrain.recompute).
 """
 
 import math
@@ -23,7 +19,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.checkpoint import checkpoint
 
 from nanotrain.attention import (  # noqa: F401 (KVCache, segment_info: part of this module's interface)
     KVCache,
@@ -35,7 +30,7 @@ from nanotrain.attention import (  # noqa: F401 (KVCache, segment_info: part of 
 )
 from nanotrain.errors import UserError
 from nanotrain.kernels import linear_cross_entropy, norm, relu_squared_proj  # noqa: F401 (norm: interface)
-from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
+from nanotrain.recompute import policy_name, run_block
 
 SOFTCAP = 15.0
 GATE_CHANNELS = 12  # the value-embedding and smear gates read this many leading channels of their input
@@ -77,11 +72,6 @@ def config_from_depth(depth, vocab_size, max_seq_len, **options):
         n_head -= 1
     return GPTConfig(max_seq_len=max_seq_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_head, model_dim=model_dim, **options)
-
-
-def adamw_lr_scale(model_dim):
-    """The factor of the AdamW lrs (embedding, lm_head): (model_dim / 768) ** -0.5, as in nanochat."""
-    return (model_dim / 768) ** -0.5
 
 
 class CausalSelfAttention(nn.Module):
@@ -132,9 +122,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos_sin, kv_cache=None, segments=None, ve=None, x0_mix=None):
-        """x: (B, T, model_dim); ve: the value embedding (B, T, kv_dim) or None; x0_mix: (resid_lambda, x0_lambda,
-        x0) or None, mixed as resid_lambda * x + x0_lambda * x0 first (inside the block, so activation checkpointing
-        keeps only the unmixed input)."""
+        """x: (B, T, model_dim); ve: the value embedding (B, T, kv_dim) or None; x0_mix: (resid_lambda, x0_lambda, x0)
+        or None, mixed in first as resid_lambda * x + x0_lambda * x0 (inside: checkpointing keeps the unmixed x)."""
         if x0_mix is not None:
             resid_lambda, x0_lambda, x0 = x0_mix
             x = resid_lambda.to(x.dtype) * x + x0_lambda.to(x.dtype) * x0
@@ -151,13 +140,9 @@ class GPT(nn.Module):
     embeddings), smear_gate and smear_lambda, backout_lambda, resid_lambdas and x0_lambdas ((n_layer,)); absent
     options are None. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
 
-    activation_checkpointing (attribute, default False; the scripts' --activation_checkpointing sets it on the built
-    model before DDP / torch.compile): when True, a forward in training mode with grad enabled and without a KV cache
-    keeps only each block's input and recomputes the block during backward (torch.utils.checkpoint.checkpoint,
-    use_reentrant=False, so it composes with torch.compile, DDP, doc_ids packing and FakeTensorMode). Saves the
-    activations inside the blocks (~all of them but the residual stream and the head) for ~1 extra block forward per
-    step (~+33% FLOPs, not counted in estimate_flops). Loss and gradients are unchanged (the model has no dropout, so
-    the RNG state is not replayed). Not a config field: it changes memory and speed, not the model.
+    activation_checkpointing (attribute, set before DDP / torch.compile): "none" (default), "selective" or "full"
+    (True/False: "full"/"none"), for every block (nanotrain.recompute) of a training forward with grad and no KV
+    cache; same loss and gradients, less memory, more compute (not in estimate_flops). Not a config field.
     """
 
     def __init__(self, config):
@@ -169,14 +154,13 @@ class GPT(nn.Module):
             raise UserError(f"GPTConfig: need model_dim % n_head == 0, n_head % n_kv_head == 0 and an even head_dim "
                             f"(got model_dim={c.model_dim}, n_head={c.n_head}, n_kv_head={c.n_kv_head})")
         self.config = config
-        self.activation_checkpointing = False
+        self.activation_checkpointing = "none"
         self.loss_chunk_size = None  # tokens per chunk of the head's loss; None: kernels.chunk_size_for the shapes
         self.head_dim = c.model_dim // c.n_head
-        # on the meta device nn.Embedding's own init would import torch._dynamo (a slow import) for
-        # nothing: hand it an empty weight there (init_weights sets every weight anyway); elsewhere it is unchanged
+        # on the meta device nn.Embedding's own init would import torch._dynamo (a slow import) for nothing: an empty
+        # weight there (init_weights sets every weight anyway); elsewhere it is unchanged
         w = torch.empty(c.vocab_size, c.model_dim)
-        self.wte = nn.Embedding(c.vocab_size, c.model_dim, _weight=w) if w.is_meta else nn.Embedding(c.vocab_size,
-                                                                                                      c.model_dim)
+        self.wte = nn.Embedding(c.vocab_size, c.model_dim, _weight=w if w.is_meta else None)
         self.blocks = nn.ModuleList([Block(c, i) for i in range(c.n_layer)])
         self.lm_head = nn.Linear(c.model_dim, c.vocab_size, bias=False)
         kv_dim = c.n_kv_head * self.head_dim
@@ -244,8 +228,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_scaling_params(self):
-        """Parameters that size the training horizon (tokens per parameter): all but the value-embedding tables,
-        so that turning them on does not lengthen the run (int)."""
+        """Parameters (int) that size the training horizon: all but the value-embedding tables (they add no tokens)."""
         return self.num_params() - sum(p.numel() for p in self.value_embeds.parameters())
 
     def estimate_flops(self):
@@ -257,55 +240,6 @@ class GPT(nn.Module):
         c = self.config
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return float(6 * matmul_params + 12 * c.n_layer * c.n_head * self.head_dim * c.max_seq_len)
-
-    def setup_optimizers(self, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5,
-                         weight_decay=0.0, adam_betas=(0.8, 0.95), ns_dtype="", muon_weight_decay=0.0,
-                         polar_express=True, muon_beta2=0.0, embedding_beta2=None, unembedding_beta2=None):
-        """
-        Returns [adamw, muon]. Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device,
-        see nanotrain.muon.ns_dtype_for; polar_express, NorMuon's beta2 muon_beta2 (0: off), cautious weight decay
-        muon_weight_decay) for the blocks' matrices (value-embedding gates included). torch AdamW
-        (eps 1e-10; fused on CUDA, torch's default elsewhere) for the rest, in groups, with s = adamw_lr_scale:
-        lm_head unembedding_lr * s; wte embedding_lr * s; value embeddings embedding_lr * s / 2 (these three with
-        betas adam_betas, the second one replaced by unembedding_beta2 for lm_head and embedding_beta2 for the two
-        embeddings where given, and weight_decay); resid_lambdas scalar_lr / 100; x0_lambdas scalar_lr with beta1 0.96;
-        the smear gate, smear_lambda and backout_lambda 0.4 * scalar_lr (the lambdas without weight decay). The group
-        structure follows nanochat (2026). Every param group gets "initial_lr" = its lr.
-        Plain single-process optimizers: under DDP the gradients are averaged before step(). With ns_dtype "" the
-        per-device choice is settled here, which on CPU under torch.distributed is a collective: every rank must call
-        this (the scripts and the auto batch size probes all do). Raises UserError for an unknown ns_dtype.
-        """
-        if ns_dtype and ns_dtype not in NS_DTYPES:
-            raise UserError(f"--ns_dtype={ns_dtype!r}: expected 'float32', 'bfloat16' or '' (chosen per device)")
-        matrix_params = list(self.blocks.parameters())
-        s = adamw_lr_scale(self.config.model_dim)
-        b1, b2 = adam_betas
-        smear_backout = [p for p in (self.smear_gate and self.smear_gate.weight, self.smear_lambda,
-                                     self.backout_lambda) if p is not None]
-        head_betas = (b1, b2 if unembedding_beta2 is None else unembedding_beta2)
-        embed_betas = (b1, b2 if embedding_beta2 is None else embedding_beta2)
-        groups = [  # (params, lr, betas, weight decay)
-            ([self.lm_head.weight], unembedding_lr * s, head_betas, weight_decay),
-            ([self.wte.weight], embedding_lr * s, embed_betas, weight_decay),
-            (list(self.value_embeds.parameters()), embedding_lr * s / 2, embed_betas, weight_decay),
-            ([self.resid_lambdas] if self.resid_lambdas is not None else [], scalar_lr / 100, adam_betas, 0.0),
-            ([self.x0_lambdas] if self.x0_lambdas is not None else [], scalar_lr, (0.96, b2), 0.0),
-            (smear_backout, 0.4 * scalar_lr, adam_betas, 0.0),
-        ]
-        groups = [g for g in groups if g[0]]
-        all_ids = [id(p) for p in matrix_params] + [id(p) for g in groups for p in g[0]]
-        assert len(all_ids) == len(set(all_ids)) and set(all_ids) == {id(p) for p in self.parameters()}
-        if not ns_dtype:  # settle the per-device choice now: on CPU under torch.distributed it is one collective
-            ns_dtype_for(self.wte.weight.device)  # (every rank sets up its optimizers; none may decide mid-step)
-        on_cuda = self.wte.weight.device.type == "cuda"
-        adamw = torch.optim.AdamW([dict(params=ps, lr=lr, betas=betas, weight_decay=wd) for ps, lr, betas, wd in groups],
-                                  eps=1e-10, fused=True if on_cuda else None)
-        muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95, ns_dtype=ns_dtype, polar_express=polar_express,
-                    beta2=muon_beta2, weight_decay=muon_weight_decay)
-        for opt in (adamw, muon):
-            for group in opt.param_groups:
-                group["initial_lr"] = group["lr"]
-        return [adamw, muon]
 
     def smear(self, x, kv_cache=None, segments=None):
         """
@@ -374,17 +308,15 @@ class GPT(nn.Module):
         if self.smear_gate is not None:
             x = self.smear(x, kv_cache, segments)
         x0 = x  # the embedding, mixed back in before every block (x0_lambdas)
-        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled() and kv_cache is None
+        training = self.training and torch.is_grad_enabled() and kv_cache is None
+        policy = policy_name(self.activation_checkpointing) if training else "none"
         backout_idx = self.config.n_layer // 2  # the middle block (the second of two middles)
         for i, block in enumerate(self.blocks):
-            def run_block(x, i=i, block=block):  # the value-embedding lookup inside: recomputed, not kept, under AC
+            def block_fn(x, i=i, block=block):  # the value-embedding lookup inside: recomputed, not kept, under AC
                 ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
                 mix = (self.resid_lambdas[i], self.x0_lambdas[i], x0) if self.x0_lambdas is not None else None
                 return block(x, cos_sin, kv_cache, segments, ve, mix)
-            if recompute:  # keep only the block's input; its inside is recomputed in backward
-                x = checkpoint(run_block, x, use_reentrant=False, preserve_rng_state=False)
-            else:
-                x = run_block(x)
+            x = run_block(block_fn, x, policy)
             if i == backout_idx:
                 x_mid = x
         if self.backout_lambda is not None:  # backout: take a learned share of the middle layer's output away

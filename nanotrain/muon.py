@@ -74,13 +74,13 @@ def ns_dtype_for(device):
     The Newton-Schulz compute dtype Muon uses on `device` when none is given: torch.bfloat16 where bf16 matmuls are
     fast (nanotrain.hardware.fast_bf16: CUDA, as modded-nanogpt and nanochat; on CPU only where they are native), else
     torch.float32 (CPUs that emulate bf16 run it several times slower than fp32). Settled once per process; on CPU
-    under torch.distributed the first call is collective, which is why GPT.setup_optimizers makes it on every rank
-    before the first step. Returns a torch.dtype.
+    under torch.distributed the first call is collective, which is why nanotrain.optim.setup_optimizers makes it on
+    every rank before the first step. Returns a torch.dtype.
     """
     return torch.bfloat16 if fast_bf16(device) else torch.float32
 
 
-def orthogonalize(update, steps=5, dtype=None, polar_express=False, then=None):
+def orthogonalize(update, steps=5, dtype=None, polar_express=False, then=None, zeropower=None):
     """
     zeropower_via_newtonschulz5 of a momentum update (rows, cols). A plain tensor is orthogonalised as it is. A DTensor
     (FSDP2: sharded on dim 0 over the ranks) is all-gathered with full_tensor(), orthogonalised whole on every rank,
@@ -89,14 +89,18 @@ def orthogonalize(update, steps=5, dtype=None, polar_express=False, then=None):
     factor of a block of rows is not a block of the polar factor). Collective for a DTensor: all ranks must call it.
     dtype: the Newton-Schulz compute dtype (None: ns_dtype_for the update's device). then: an optional function
     applied to the whole orthogonalised matrix before it is cut back to this rank's rows (normalize_variance: its
-    statistics need whole rows and columns).
+    statistics need whole rows and columns). zeropower: the orthogonalisation (None: zeropower_via_newtonschulz5),
+    e.g. its compiled version (nanotrain.optim.compile_optimizer_step), called with a plain tensor and a torch.dtype.
     Returns a tensor (or DTensor with update's placements) of update's shape in the Newton-Schulz compute dtype.
     """
+    if dtype is None:  # decided here, eagerly: the choice may measure the CPU, which a compiled function cannot
+        dtype = ns_dtype_for(update.device)
+    zeropower = zeropower or zeropower_via_newtonschulz5
     dtensor = sys.modules.get("torch.distributed.tensor")  # only loaded (a slow import) when DTensors exist
     if dtensor is None or not isinstance(update, dtensor.DTensor):
-        out = zeropower_via_newtonschulz5(update, steps, dtype, polar_express)
+        out = zeropower(update, steps, dtype, polar_express)
         return then(out) if then is not None else out
-    full = zeropower_via_newtonschulz5(update.full_tensor(), steps, dtype, polar_express)
+    full = zeropower(update.full_tensor(), steps, dtype, polar_express)
     if then is not None:
         full = then(full)
     return dtensor.distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
@@ -139,13 +143,15 @@ class Muon(torch.optim.Optimizer):
     Cautious weight decay ("Cautious Weight Decay", Chen et al. 2025, arXiv:2510.12402) decays only the entries whose
     update already moves them towards zero; it scales with the scheduled lr, so it decays with it.
     ns_dtype: the Newton-Schulz compute dtype, "float32" or "bfloat16" ("" or None: ns_dtype_for the parameter's
-    device: nanotrain.hardware.fast_bf16); a string so the optimizer state stays loadable with torch.load(weights_only=True).
-    lr, momentum and weight_decay are read from the param group at every step (schedules may change them, e.g. the
-    momentum warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped. state_dict/load_state_dict are the
-    standard torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p, and with beta2 > 0
-    "second_moment"; DTensors sharded like p under FSDP2). The defaults are plain Muon; GPT.setup_optimizers turns the
-    rest on. Raises ValueError for a parameter that is not 2-D, a negative lr/momentum/weight_decay, beta2 outside
-    [0, 1) or an unknown ns_dtype.
+    device: nanotrain.hardware.fast_bf16); a string so the optimizer state stays loadable with
+    torch.load(weights_only=True). lr, momentum and weight_decay are read from the param group at every step
+    (schedules may change them, e.g. the momentum warm-up 0.85 -> 0.95). Parameters whose grad is None are skipped.
+    zeropower (attribute): the orthogonalisation, None (zeropower_via_newtonschulz5) unless
+    nanotrain.optim.compile_optimizer_step compiled it. state_dict/load_state_dict are the standard
+    torch.optim.Optimizer ones (state: "momentum_buffer", same shape/dtype as p, and with beta2 > 0 "second_moment";
+    DTensors sharded like p under FSDP2). The defaults are plain Muon; nanotrain.optim.setup_optimizers turns the rest
+    on. Raises ValueError for a parameter that is not 2-D, a negative lr/momentum/weight_decay, beta2 outside [0, 1)
+    or an unknown ns_dtype.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="", polar_express=False,
@@ -158,6 +164,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       ns_dtype=ns_dtype or "", polar_express=polar_express, beta2=beta2,
                                       weight_decay=weight_decay))
+        self.zeropower = None  # zeropower_via_newtonschulz5; nanotrain.optim.compile_optimizer_step compiles it
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -193,7 +200,9 @@ class Muon(torch.optim.Optimizer):
                 update = g.lerp(buf, momentum) if group["nesterov"] else buf
                 beta2 = group["beta2"]
                 then = (lambda u, state=state, beta2=beta2: normalize_variance(u, state, beta2)) if beta2 > 0 else None
-                update = orthogonalize(update, group["ns_steps"], ns_dtype, group["polar_express"], then).to(p.dtype)
+                compiled = {} if self.zeropower is None else {"zeropower": self.zeropower}
+                update = orthogonalize(update, group["ns_steps"], ns_dtype, group["polar_express"], then,
+                                       **compiled).to(p.dtype)
                 step_size = lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5  # a DTensor's size is the full matrix's
                 if group["weight_decay"] > 0:  # cautious: only where the update moves p towards zero as well
                     p.sub_(p * (update * p > 0) * (step_size * group["weight_decay"]))

@@ -5,7 +5,13 @@ step with fake tensors (nanotrain.autobatch.probe.measure_fake_peak) in the sear
 
     python scripts/auto_batch_plan.py --depths=12,20,26,32 --max_seq_len=2048 --device_memory_gb=80
 
-Prints a table (depth, params, probed device_batch_size, estimated peak GiB, fits) and the size found per depth.
+Prints a table (depth, activation checkpointing policy, params, probed device_batch_size, estimated peak GiB, fits)
+and the size found per depth and policy, with the share of the step's FLOPs the policy recomputes (counted with
+torch.utils.flop_counter on fake tensors). --activation_checkpointing=auto plans every policy (none, selective, full)
+and names the one base_train's auto would take (nanotrain.autobatch.policy.choose_policy):
+
+    python scripts/auto_batch_plan.py --depths=20,26,32 --max_seq_len=2048 --device_memory_gb=80 \
+        --activation_checkpointing=auto
 Uses fake CUDA tensors when torch can run a CUDA device here. A CPU-only torch build cannot record fake CUDA tensors
 for autograd (InputMetadata asks for a CUDA device guard, which such a build lacks, and the process aborts with
 "PyTorch is not linked with support for cuda devices"), so there it measures fake CPU tensors in bf16 (CPU autocast;
@@ -20,12 +26,14 @@ import time
 import torch
 
 from nanotrain.autobatch.builders import gpt_builder
+from nanotrain.autobatch.policy import AUTO_MAX_RECOMPUTE, choose_policy, measure_recompute
 from nanotrain.autobatch.probe import GiB, measure_fake_peak
 from nanotrain.autobatch.search import candidate_batch_sizes, search_batch_size
 from nanotrain.common import rng_state, run_script, set_rng_state
 from nanotrain.configurator import configure
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, config_from_depth
+from nanotrain.recompute import POLICIES, policy_name
 
 depth = None  # one depth (int); None: the depths below
 depths = "12,20,26,32"  # comma-separated depths
@@ -35,7 +43,7 @@ total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-batc
 device_memory_gb = 80.0  # memory of the CUDA device to plan for, in GiB
 margin = 0.85  # fraction of the device memory the training step may use
 world_size = 1  # number of ranks (adds DDP's gradient buckets when > 1)
-activation_checkpointing = False  # True: measure the step with per-block activation checkpointing
+activation_checkpointing = "none"  # none|selective|full|auto (True/False: full/none); auto: every policy and its pick
 config = configure(globals(), none_types={"depth": (int,)})
 
 
@@ -44,52 +52,70 @@ def main():
         plan_depths = [depth] if depth is not None else [int(d) for d in depths.split(",") if d.strip()]
     except ValueError:
         raise UserError(f"--depths={depths!r}: expected comma-separated integers, e.g. 12,20,26,32") from None
+    policy = policy_name(activation_checkpointing, allow_auto=True)
+    policies = POLICIES if policy == "auto" else (policy,)
     fake_device = "cuda" if torch.cuda.is_available() else "cpu"
     budget = device_memory_gb * GiB
     limit = margin * budget
     candidates = candidate_batch_sizes(total_batch_size, max_seq_len, world_size)
+    needed = total_batch_size // (max_seq_len * world_size)  # one micro-batch per step
     print(f"Plan mode: an ESTIMATE (not a measurement on a GPU) of the largest device_batch_size for a CUDA device with "
           f"{device_memory_gb:g} GiB; a size fits if its peak <= {margin:g} x {device_memory_gb:g} = "
           f"{limit / GiB:.4g} GiB. max_seq_len={max_seq_len}, vocab_size={vocab_size}, total_batch_size="
           f"{total_batch_size}, world_size={world_size}, bf16 autocast, uncompiled step "
-          f"(2 micro-steps + optimizer step + 1 micro-step), activation checkpointing "
-          f"{'on' if activation_checkpointing else 'off'}.")
+          f"(2 micro-steps + optimizer step + 1 micro-step), activation checkpointing {policy}.")
     if fake_device == "cpu":
         print("Measured with fake CPU tensors in bf16: this torch is CPU-only and cannot record fake CUDA tensors for "
               "autograd. Live tensor bytes only: the CUDA caching allocator, the CUDA context (~0.5 GiB), NCCL buffers "
               "and cuBLAS workspaces come on top (the margin is for them); torch.compile usually needs less.")
     else:
         print("Measured with fake CUDA tensors (live tensor bytes, rounded to 512 B like the caching allocator).")
-    print(f"{'depth':>5} | {'params':>14} | {'device_batch_size':>17} | {'est. peak GiB':>13} | fits")
+    print("recompute: the share of extra FLOPs of a training step under the policy (torch.utils.flop_counter: matmuls "
+          "and attention; the elementwise ops selective recomputes count 0).")
+    print(f"{'depth':>5} | {'policy':>9} | {'params':>14} | {'device_batch_size':>17} | {'est. peak GiB':>13} | fits")
     t0 = time.perf_counter()
     for d in plan_depths:
         model_config = config_from_depth(d, vocab_size, max_seq_len)
         with torch.device("meta"):
             num_params = GPT(model_config).num_params()
-        build_probe = gpt_builder(model_config, activation_checkpointing=activation_checkpointing)
-        peaks = {}
+        found = {}
+        for p in policies:
+            build_probe = gpt_builder(model_config, activation_checkpointing=p)
+            peaks = {}
 
-        def fits(batch_size):
-            peaks[batch_size] = measure_fake_peak(build_probe, batch_size, max_seq_len=max_seq_len,
-                                                  vocab_size=vocab_size, device=fake_device,
-                                                  amp_dtype=torch.bfloat16, world_size=world_size)
-            return peaks[batch_size] <= limit
+            def fits(batch_size):
+                peaks[batch_size] = measure_fake_peak(build_probe, batch_size, max_seq_len=max_seq_len,
+                                                      vocab_size=vocab_size, device=fake_device,
+                                                      amp_dtype=torch.bfloat16, world_size=world_size)
+                return peaks[batch_size] <= limit
 
-        saved_rng = rng_state(fake_device)  # gpt_builder draws from the global RNG
-        try:
-            found = search_batch_size(fits, candidates)
-        except UserError:
-            found = None
-        finally:
-            set_rng_state(saved_rng, fake_device)
-        for b in sorted(peaks):
-            print(f"{d:>5} | {num_params:>14,} | {b:>17} | {peaks[b] / GiB:>13.2f} | "
-                  f"{'yes' if peaks[b] <= limit else 'no'}")
-        if found is None:
-            print(f"{d:>5} | => nothing fits, not even device_batch_size={candidates[0]}")
-        else:
-            accum = total_batch_size // (found * max_seq_len * world_size)
-            print(f"{d:>5} | => device_batch_size={found} (grad_accum_steps={accum})")
+            saved_rng = rng_state(fake_device)  # gpt_builder draws from the global RNG
+            try:
+                size = search_batch_size(fits, candidates)
+            except UserError:
+                size = None
+            finally:
+                set_rng_state(saved_rng, fake_device)
+            extra = 0.0 if p == "none" else measure_recompute(build_probe, max_seq_len)
+            found[p] = (size, extra)
+            for b in sorted(peaks):
+                print(f"{d:>5} | {p:>9} | {num_params:>14,} | {b:>17} | {peaks[b] / GiB:>13.2f} | "
+                      f"{'yes' if peaks[b] <= limit else 'no'}")
+            if size is None:
+                print(f"{d:>5} | {p:>9} | => nothing fits, not even device_batch_size={candidates[0]} | recompute "
+                      f"{100 * extra:.1f}%")
+            else:
+                accum = total_batch_size // (size * max_seq_len * world_size)
+                print(f"{d:>5} | {p:>9} | => device_batch_size={size} (grad_accum_steps={accum}) | recompute "
+                      f"{100 * extra:.1f}%")
+        if policy == "auto":
+            chosen = choose_policy(found, needed)
+            if chosen is None:
+                print(f"{d:>5} | auto: nothing fits under any policy")
+            else:
+                print(f"{d:>5} | auto: {chosen}, device_batch_size={found[chosen][0]}, recompute "
+                      f"{100 * found[chosen][1]:.1f}% (among the policies recomputing <= "
+                      f"{100 * AUTO_MAX_RECOMPUTE:g}%: the first reaching {needed} rows, else the largest size)")
     print(f"Estimated in {time.perf_counter() - t0:.1f}s.")
 
 

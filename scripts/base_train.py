@@ -17,7 +17,7 @@ import time
 import torch
 
 from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.search import discover_device_batch_size
+from nanotrain.autobatch.policy import discover_with_policy
 from nanotrain.autobatch.stepdown import OOMStepDown
 from nanotrain.checkpoint import check_resume, load_optimizers, resume_checkpoint, save_checkpoint
 from nanotrain.common import (
@@ -39,9 +39,11 @@ from nanotrain.downloads import rank0_first
 from nanotrain.errors import UserError
 from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
-from nanotrain.gpt import adamw_lr_scale, build_model, config_from_depth
+from nanotrain.gpt import build_model, config_from_depth
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.optim import adamw_lr_scale, compile_optimizer_step, setup_optimizers
+from nanotrain.recompute import policy_name
 from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 from nanotrain.training import (
@@ -118,7 +120,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
-activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
+activation_checkpointing = "none"  # none|selective|full|auto (True/False: full/none); nanotrain/recompute.py
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
                                           "muon_weight_decay": (float,), "final_momentum": (float,),
@@ -136,6 +138,7 @@ def main():
     master = rank == 0
     compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
     use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
+    ac_policy = policy_name(activation_checkpointing, allow_auto=True)  # auto: chosen with the device batch size
     use_fsdp = fsdp and world_size > 1
     if fsdp and not use_fsdp:
         print0("--fsdp=True with one process: nothing to shard, training without FSDP")
@@ -165,28 +168,30 @@ def main():
     # only grad_accum_steps depends on it, the optimization does not
     device_batch_size = config["device_batch_size"]
     step_down = None  # with a discovered size: steps every rank down to a smaller size on out-of-memory
-    if device_batch_size is not None:
-        if auto_batch_size:
-            print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
-    elif auto_batch_size:
-        build = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, matrix_lr=matrix_lr,
-                            embedding_lr=embedding_lr, unembedding_lr=unembedding_lr, scalar_lr=scalar_lr,
-                            weight_decay=weight_decay, ns_dtype=ns_dtype, muon_weight_decay=muon_wd,
-                            polar_express=polar_express, muon_beta2=muon_beta2)
+    if device_batch_size is not None and auto_batch_size:
+        print0(f"--device_batch_size={device_batch_size} given: skipping the automatic discovery")
+    if device_batch_size is None and not auto_batch_size:
+        device_batch_size = 32
+        print0(f"device_batch_size not set: using the fixed default {device_batch_size}")
+    if device_batch_size is None or ac_policy == "auto":
+        if device_batch_size is not None:  # a given size that does not divide the batch: one line, before probing
+            grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+        build = lambda policy: gpt_builder(  # noqa: E731
+            model_config, activation_checkpointing=policy, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
+            unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay, ns_dtype=ns_dtype,
+            muon_weight_decay=muon_wd, polar_express=polar_express, muon_beta2=muon_beta2)
         record_path = os.path.join(run_dir, "auto_batch_size.json")
-        device_batch_size, ab_record = discover_device_batch_size(
-            build, max_seq_len=max_seq_len, vocab_size=vocab_size, total_batch_size=total_batch_size,
-            world_size=world_size, device=device, amp_dtype=compute_dtype, compile=use_compile,
-            margin=batch_size_margin, device_memory_gb=device_memory_gb, max_batch_size=max_batch_size,
-            use_cache=batch_size_cache, key_fields={}, record_path=record_path)
+        discovered = device_batch_size is None
+        ac_policy, device_batch_size, ab_record = discover_with_policy(
+            build, ac_policy, device_batch_size=device_batch_size, max_seq_len=max_seq_len, vocab_size=vocab_size,
+            total_batch_size=total_batch_size, world_size=world_size, device=device, amp_dtype=compute_dtype,
+            compile=use_compile, margin=batch_size_margin, device_memory_gb=device_memory_gb,
+            max_batch_size=max_batch_size, use_cache=batch_size_cache, key_fields={}, record_path=record_path)
         if use_fsdp:  # no step-down under FSDP: its collectives run inside forward and backward
             print0(f"--fsdp=True: device_batch_size={device_batch_size} was measured for the unsharded (DDP) model, "
                    f"which needs more memory per device than FSDP; no out-of-memory step-down under FSDP")
-        else:
+        elif discovered:
             step_down = OOMStepDown(ab_record, record_path, device_batch_size)
-    else:
-        device_batch_size = 32
-        print0(f"device_batch_size not set: using the fixed default {device_batch_size}")
 
     def batch_sizes(device_batch_size):  # everything that depends on the device batch size, here and after a step-down
         grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
@@ -204,22 +209,25 @@ def main():
     seed_everything(seed)
     model = build_model(model_config, device, ckpt, vocab_size, tokenizer_sha256=tokenizer_sha256,
                         init_device=torch.device("cpu") if use_fsdp else None)  # FSDP: whole on the host only
-    model.activation_checkpointing = activation_checkpointing  # before FSDP / DDP / compile wrap it
-    if use_fsdp:  # in place, block by block onto the device (the CPU init equals DDP's on CPU, not CUDA's RNG)
-        shard_model(model, device, compute_dtype)
+    model.activation_checkpointing = ac_policy  # before FSDP / DDP / compile wrap it
+    if use_fsdp:  # in place, block by block onto the device (the CPU init equals DDP's on CPU, not CUDA's RNG);
+        # with --compile each block is compiled before it is sharded (compile, then wrap)
+        shard_model(model, device, compute_dtype, compile_backend="inductor" if use_compile else None)
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
-    optimizers = model.setup_optimizers(matrix_lr=matrix_lr, embedding_lr=embedding_lr,
-                                        unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay,
-                                        ns_dtype=ns_dtype, muon_weight_decay=muon_wd, embedding_beta2=embedding_beta2,
-                                        unembedding_beta2=unembedding_beta2,
-                                        polar_express=polar_express, muon_beta2=muon_beta2)
+    optimizers = setup_optimizers(model, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
+                                  unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay,
+                                  ns_dtype=ns_dtype, muon_weight_decay=muon_wd, embedding_beta2=embedding_beta2,
+                                  unembedding_beta2=unembedding_beta2,
+                                  polar_express=polar_express, muon_beta2=muon_beta2)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")
-    if use_compile:
-        model = torch.compile(model, dynamic=False)
+    if use_compile:  # compile, then wrap in DDP (torch's documented order; FSDP: the blocks, above); the optimizer step
+        if not use_fsdp:
+            model = torch.compile(model, dynamic=False)
+        compile_optimizer_step(optimizers, device)
     if is_ddp and not use_fsdp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                           else None)

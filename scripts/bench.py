@@ -18,8 +18,10 @@ this process before and after the timed steps, the larger of the two (a busy mac
 MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
 torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
 (nanotrain.autobatch.probe.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
-RSS (getrusage) over the run. --activation_checkpointing=True measures the checkpointed step (both the timing and the
-memory estimate), e.g. --vs="--activation_checkpointing=True" for its cost in tokens/s.
+RSS (getrusage) over the run. --activation_checkpointing=selective (or full) measures the checkpointed step (both the
+timing and the memory estimate), e.g. --vs="--activation_checkpointing=selective" for its cost in tokens/s.
+--compile_optimizer=True compiles only the optimizer step (nanotrain.optim.compile_optimizer_step), e.g.
+--vs="--compile_optimizer=True" for the compiled step against the eager one.
 
 --vs="<overrides>" builds a second configuration B (A's settings with these --name=value overrides) in the same
 process and times them interleaved, `pairs` rounds of `pair_steps` steps each, A first in even rounds and B first in
@@ -52,6 +54,8 @@ from nanotrain.errors import UserError
 from nanotrain.gpt import build_model, config_from_depth
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.muon import ns_dtype_for
+from nanotrain.optim import compile_optimizer_step, setup_optimizers
+from nanotrain.recompute import policy_name
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
     forward_backward,
@@ -69,7 +73,8 @@ device_batch_size = 8  # rows per micro-batch
 total_batch_size = 4096  # tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len))
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
-activation_checkpointing = False  # recompute each block in backward (less memory, more compute), as base_train
+activation_checkpointing = "none"  # none|selective|full (True/False: full/none), as base_train (nanotrain/recompute.py)
+compile_optimizer = None  # torch.compile the optimizer step (Muon's orthogonalisation, AdamW); None: as --compile
 device_type = ""  # cuda | mps | cpu; "" autodetects
 data = "builtin"  # training text, as in base_train
 row_packing = "contiguous"  # how documents fill the rows, as base_train's --row_packing
@@ -101,7 +106,7 @@ unembedding_beta2 = 0.96  # AdamW beta2 of the lm_head
 muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
 muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
-config = configure(globals(), none_types={"muon_weight_decay": (float,)})
+config = configure(globals(), none_types={"muon_weight_decay": (float,), "compile_optimizer": (bool,)})
 # -----------------------------------------------------------------------------
 
 
@@ -182,13 +187,18 @@ class Setup:
             muon_wd = cfg["muon_weight_decay"]
             if muon_wd is None:
                 muon_wd = muon_weight_decay_for(self.model_config.model_dim)
-            self.optimizers = model.setup_optimizers(  # lrs: setup_optimizers' defaults (they change no work)
+            self.optimizers = setup_optimizers(  # lrs: setup_optimizers' defaults (they change no work)
+                model,
                 ns_dtype=cfg["ns_dtype"], muon_weight_decay=muon_wd, weight_decay=cfg["weight_decay"],
                 embedding_beta2=cfg["embedding_beta2"], unembedding_beta2=cfg["unembedding_beta2"],
                 polar_express=cfg["polar_express"], muon_beta2=cfg["muon_beta2"])
         if cfg["adamw"]:
             self.optimizers[0] = rebuild_adamw(self.optimizers[0], cfg["adamw"])
-        model.activation_checkpointing = cfg["activation_checkpointing"]
+        self.compile_optimizer = cfg["compile"] if cfg["compile_optimizer"] is None else cfg["compile_optimizer"]
+        if self.compile_optimizer:  # a torch AdamW rebuilt by --adamw stays eager
+            with contextlib.redirect_stdout(sys.stderr):
+                self.compile_optimizer = compile_optimizer_step(self.optimizers, device)
+        model.activation_checkpointing = policy_name(cfg["activation_checkpointing"])
         self.orig_model = model
         self.model = torch.compile(model, dynamic=False) if cfg["compile"] else model
         self.num_params, self.flops_per_token = model.num_params(), model.estimate_flops()
@@ -310,7 +320,7 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
         "config": dict({k: s.cfg[k] for k in ("depth", "max_seq_len", "device_batch_size", "total_batch_size",
                                               "dtype", "compile", "activation_checkpointing", "threads", "adamw",
                                               "ns_dtype", "data")},
-                       prefetch=s.loader.prefetch),
+                       prefetch=s.loader.prefetch, compile_optimizer=s.compile_optimizer),
         "dtype": str(s.compute_dtype).removeprefix("torch."), "grad_accum_steps": s.grad_accum_steps,
         "ns_dtype": s.cfg["ns_dtype"] or str(ns_dtype_for(s.device)).replace("torch.", ""),
         "model": {"n_layer": c.n_layer, "model_dim": c.model_dim, "n_head": c.n_head, "vocab_size": c.vocab_size,

@@ -51,6 +51,7 @@ from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.hardware import synchronize
+from nanotrain.optim import setup_optimizers
 from nanotrain.rl import empty_micro_batch, group_advantages, pass_at_k, rl_micro_batches, rl_rows, rollout_seed
 from nanotrain.sft_data import ConversationSampler, token_loss_scale
 from nanotrain.tasks.common import wilson_interval
@@ -159,9 +160,9 @@ def main():
     source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
     del src, start
     orig_model = model
-    optimizers = model.setup_optimizers(matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
-                                        unembedding_lr=unembedding_lr * init_lr_frac,
-                                        scalar_lr=scalar_lr * init_lr_frac, weight_decay=0.0)
+    optimizers = setup_optimizers(model, matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
+                                  unembedding_lr=unembedding_lr * init_lr_frac,
+                                  scalar_lr=scalar_lr * init_lr_frac, weight_decay=0.0)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")

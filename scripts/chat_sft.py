@@ -55,8 +55,9 @@ from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.execution import require_isolation
-from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.hardware import get_peak_flops, synchronize
+from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
 from nanotrain.sft_data import (
     LONG_POLICIES,
@@ -264,7 +265,7 @@ def main():
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
-    optimizers = model.setup_optimizers(**opt_kwargs)
+    optimizers = setup_optimizers(model, **opt_kwargs)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")

@@ -47,9 +47,10 @@ from nanotrain.common import (
 from nanotrain.configurator import configure
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
-from nanotrain.gpt import GPTConfig, adamw_lr_scale, build_model
+from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
 from nanotrain.sft_data import ConversationTokenStream
 from nanotrain.tasks.registry import load_task_mixture
@@ -177,7 +178,7 @@ def main():
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
-    optimizers = model.setup_optimizers(**opt_kwargs)
+    optimizers = setup_optimizers(model, **opt_kwargs)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")

@@ -1,7 +1,9 @@
 """
-Activation checkpointing (GPT.activation_checkpointing, --activation_checkpointing=True): same loss and gradients,
-less memory (measured with the fake-tensor MemTracker probe of nanotrain.autobatch), a larger discovered
-device_batch_size under the same budget, a cache entry of its own, and the same losses in base_train.
+Activation checkpointing (GPT.activation_checkpointing, --activation_checkpointing=none|selective|full|auto, True/False
+for full/none; nanotrain.recompute): same loss and gradients under every policy, less memory (measured with the
+fake-tensor MemTracker probe of nanotrain.autobatch) in the order none > selective > full, selective recomputing no
+matmul FLOPs (counted), plan mode's estimate against a real CPU step per policy, a larger discovered device_batch_size
+under the same budget, a cache entry of its own, auto's choice, and the same losses in base_train.
 """
 
 import json
@@ -68,20 +70,21 @@ class DetachedInput(torch.nn.Module):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("policy", [True, "selective"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "doc_ids"])
-def test_same_loss_and_gradients(packed):
+def test_same_loss_and_gradients(packed, policy):
     """
-    Checkpointed and plain training steps give the same fp32 loss and gradients (max relative difference <= 1e-6 per
-    parameter), with plain rows and with doc_ids packing (the block-diagonal mask and per-segment rotary positions
-    must be the ones of the recomputation too). Catches a checkpoint wrapper that detaches the block input: its loss
-    is identical but the gradients of the embedding and all lower blocks vanish; the test runs that variant and
-    asserts it fails the same tolerance.
+    Checkpointed (full: True, and selective) and plain training steps give the same fp32 loss and gradients (max
+    relative difference <= 1e-6 per parameter), with plain rows and with doc_ids packing (the block-diagonal mask and
+    per-segment rotary positions must be the ones of the recomputation too). Catches a checkpoint wrapper that
+    detaches the block input: its loss is identical but the gradients of the embedding and all lower blocks vanish;
+    the test runs that variant and asserts it fails the same tolerance.
     """
     idx, targets, doc_ids = batch()
     doc_ids = doc_ids if packed else None
     model = tiny_model()
     loss0, g0 = loss_and_grads(model, model, idx, targets, doc_ids)
-    model.activation_checkpointing = True
+    model.activation_checkpointing = policy
     loss1, g1 = loss_and_grads(model, model, idx, targets, doc_ids)
     assert abs(loss1 - loss0) <= 1e-6 * abs(loss0)
     assert max_rel_diff(g0, g1) <= 1e-6
@@ -97,18 +100,20 @@ def test_same_loss_and_gradients(packed):
 
 
 @pytest.mark.unit
-def test_same_gradients_under_torch_compile():
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_same_gradients_under_torch_compile(policy):
     """
     torch.compile(fullgraph=True) of the checkpointed model with packed rows (dynamo traces torch.utils.checkpoint
-    into its checkpoint higher-order op; aot_eager runs AOT autograd's joint graph and partitioner without the slow
-    C++ codegen) gives the eager gradients within 1e-6. Catches a graph break or an error on the checkpoint path (the
-    reentrant variant, use_reentrant=True, is not traceable by dynamo in one graph) and a recomputation that sees
+    into its checkpoint higher-order op, with selective checkpointing's context_fn; aot_eager runs AOT autograd's
+    joint graph and partitioner without the slow C++ codegen) gives the eager gradients within 1e-6. Catches a graph
+    break or an error on the checkpoint path (the reentrant variant, use_reentrant=True, is not traceable by dynamo
+    in one graph, nor is a context_fn that is not create_selective_checkpoint_contexts) and a recomputation that sees
     other inputs than the forward.
     """
     idx, targets, doc_ids = batch()
     model = tiny_model()
     loss0, g0 = loss_and_grads(model, model, idx, targets, doc_ids)
-    model.activation_checkpointing = True
+    model.activation_checkpointing = policy
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, dynamic=False, fullgraph=True, backend="aot_eager")
@@ -161,14 +166,165 @@ def test_kv_cache_and_eval_are_not_checkpointed():
 def test_lower_peak_memory_same_batch():
     """
     The MemTracker peak of the training step (measure_fake_peak, the auto batch size probe: 2 micro-steps, optimizer
-    step, 1 micro-step) at depth 4, max_seq_len 256, device_batch_size 8 is at most 65% of the plain step's
-    (measured ~60% at vocab 512; 55% without value embeddings, smear, backout and lambdas). Catches a flag that the builder ignores (the probes would measure the plain model)
-    and checkpointing that still saves the blocks' inner activations (e.g. checkpoint only around the attention).
+    step, 1 micro-step) at depth 4, max_seq_len 256, device_batch_size 8: full at most 65% of the plain step's
+    (measured ~60% at vocab 512; 55% without value embeddings, smear, backout and lambdas), selective in between,
+    below 90% of the plain step's (the elementwise activations it drops: norms, rotary, casts, ReLU^2) and above
+    full's (the matmul outputs it keeps). Catches a flag that the builder ignores (the probes would measure the
+    plain model), checkpointing that still saves the blocks' inner activations (e.g. checkpoint only around the
+    attention), and a selective policy that keeps everything (no saving) or nothing (full's memory).
     """
     config = config_from_depth(4, 512, 256)
     peaks = {ac: measure_fake_peak(gpt_builder(config, activation_checkpointing=ac), 8, max_seq_len=256,
-                                   vocab_size=512) for ac in (False, True)}
+                                   vocab_size=512) for ac in (False, "selective", True)}
     assert peaks[True] <= 0.65 * peaks[False], peaks
+    assert peaks[True] < peaks["selective"] <= 0.9 * peaks[False], peaks
+
+
+@pytest.mark.unit
+def test_recompute_flops_are_counted(monkeypatch):
+    """
+    recompute_flops (torch.utils.flop_counter on fake tensors, depth 2, max_seq_len 64): selective recomputes no
+    matmul or attention FLOP (exactly 0 extra), full recomputes the blocks' forward: 2 of the 6 FLOPs per weight of
+    the blocks' matmuls plus the attention's forward, which at this size is between 20% and 33% of the step (33% if
+    the head were recomputed too; hand count: blocks 2 x 12 d^2 weights, head 2 x 512 d, T = 64). The wrong variant,
+    a selective policy that keeps no matmul output (SAVED_ATEN_OPS emptied), must count full's recomputation.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import nanotrain.recompute as recompute
+
+    def count(policy):
+        with FakeTensorMode():
+            model = GPT(config_from_depth(2, 512, 64))
+            model.init_weights()
+            model.activation_checkpointing = policy
+            return recompute.recompute_flops(model, 2, 64)
+
+    (sel, base), (full, base_full) = count("selective"), count("full")
+    assert sel == 0.0 and base == base_full > 0
+    d = 128
+    blocks, head = 2 * 12 * d * d, 512 * d
+    attention = 2 * 2 * 64 * d  # per token and layer: scores and values, 2 FLOPs per multiply-add, causal not halved
+    assert abs(full - (2 * blocks + 2 * attention) / (6 * (blocks + head) + 6 * attention)) < 0.02, full
+    monkeypatch.setattr(recompute, "SAVED_ATEN_OPS", frozenset())
+    wrong, _ = count("selective")
+    assert wrong == pytest.approx(full)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("policy", ["selective", pytest.param("none", marks=pytest.mark.slow),
+                                    pytest.param("full", marks=pytest.mark.slow)])
+# slow cells: the default run keeps selective here and test_auto_batch_size's test_fake_peak_equals_a_real_cpu_step
+def test_plan_estimate_matches_a_real_cpu_step(policy):
+    """
+    Plan mode's estimate (measure_fake_peak: FakeTensorMode, bf16 autocast, as scripts/auto_batch_plan.py measures)
+    is within 10% of the peak of the same step run for real on the CPU (RealProbe: real tensors, the MemTracker
+    accounting the project uses for CPU steps, test_auto_batch_size's test_fake_peak_equals_a_real_cpu_step), for
+    each policy (measured: equal to the byte). Catches a fake path in which selective checkpointing caches other
+    tensors than a real run (e.g. a policy that sees different ops under FakeTensorMode) or the builder's policy not
+    reaching the model.
+    """
+    from nanotrain.autobatch.probe import RealProbe
+    config = config_from_depth(2, 256, 64)
+    build = gpt_builder(config, activation_checkpointing=policy)
+    torch.manual_seed(0)
+    fake = measure_fake_peak(build, 4, max_seq_len=64, vocab_size=256, amp_dtype=torch.bfloat16)
+    with RealProbe(build, "cpu", 64, 256, torch.bfloat16, 1, log=lambda *a: None) as probe:
+        real, oom, _ = probe.measure(4)
+    assert not oom and abs(fake - real) <= 0.1 * real, (fake, real)
+
+
+@pytest.mark.unit
+def test_policy_names_and_the_old_bools():
+    """True/False (and their text, as a str setting receives it) keep their old meaning, full/none; the names pass;
+    auto only where allowed; anything else is one UserError line naming the flag."""
+    from nanotrain.errors import UserError
+    from nanotrain.recompute import policy_name
+    assert [policy_name(v) for v in (True, False, "True", "False")] == ["full", "none", "full", "none"]
+    assert [policy_name(v) for v in ("none", "selective", "full")] == ["none", "selective", "full"]
+    assert policy_name("auto", allow_auto=True) == "auto"
+    for bad, kwargs in (("auto", {}), ("partial", {}), (1, {}), ("Selective", {"allow_auto": True})):
+        with pytest.raises(UserError, match="--activation_checkpointing=.*expected none|selective|full"):
+            policy_name(bad, **kwargs)
+
+
+@pytest.mark.unit
+def test_auto_choice_rule():
+    """choose_policy by hand, with the plan-mode sizes of depths 12 and 20 on 80 GB. A wished size (discovery): the
+    cheapest policy recomputing <= 15% that reaches it, else the largest size among those (cheapest on a tie), else
+    the cheapest that fits at all; a required size (given device_batch_size): the cheapest reaching it, at any
+    cost. Catches "largest size wins" (full, 128 rows for 27% more FLOPs at depth 20; 256 at depth 12 for 21%) and
+    "cheapest that fits wins" (none, 16 rows, where selective gives 32 at no extra FLOP)."""
+    from nanotrain.autobatch.policy import choose_policy
+    d20 = {"none": (16, 0.0), "selective": (32, 0.0), "full": (128, 0.27)}
+    d12 = {"none": (64, 0.0), "selective": (64, 0.0), "full": (256, 0.21)}
+    assert choose_policy(d20, 256) == "selective" and choose_policy(d20, 128) == "selective"
+    assert choose_policy(d20, 16) == "none" and choose_policy(d20, 32) == "selective"
+    assert choose_policy(d12, 256) == "none"
+    assert choose_policy(d20, 128, required=True) == "full" and choose_policy(d20, 256, required=True) is None
+    assert choose_policy(d20, 32, required=True) == "selective"
+    assert choose_policy({"none": (None, 0.0), "selective": (None, 0.0), "full": (2, 0.27)}, 256) == "full"
+    assert choose_policy({"none": (None, 0.0), "selective": (None, 0.0), "full": (None, 0.27)}, 256) is None
+
+
+@pytest.mark.unit
+def test_auto_discovers_selective_where_none_does_not_fit(tmp_path, monkeypatch):
+    """
+    discover_with_policy("auto") with a budget in which device_batch_size 16 fits with selective checkpointing but
+    not without (as measured first): chooses selective at 16 (the size the step needs: 16 rows per step) and stops
+    there (full is never probed), records the policy, its counted recompute (0.0) and every policy tried, and
+    writes the chosen discovery's record. Catches auto that returns the first discovery's policy or size, or keeps
+    the last policy tried.
+    """
+    from nanotrain.autobatch.policy import discover_with_policy
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    config = config_from_depth(2, 512, 64)
+    peak16 = {ac: measure_fake_peak(gpt_builder(config, activation_checkpointing=ac), 16, max_seq_len=64,
+                                    vocab_size=512) for ac in ("none", "selective")}
+    assert peak16["none"] > 1.01 * peak16["selective"]
+    lines = []
+    record_path = str(tmp_path / "auto_batch_size.json")
+    policy, size, record = discover_with_policy(
+        lambda p: gpt_builder(config, activation_checkpointing=p), "auto", max_seq_len=64, vocab_size=512,
+        total_batch_size=64 * 16, world_size=1, device="cpu", margin=1.0, key_fields={}, log=lines.append,
+        device_memory_gb=1.005 * peak16["selective"] / GiB, record_path=record_path)
+    assert (policy, size) == ("selective", 16)
+    assert record["activation_checkpointing"] == "selective" and record["recompute_flops"] == 0.0
+    assert record["policies"]["none"][0] < 16 and "full" not in record["policies"]
+    assert record["cache_key"]["key_fields"]["activation_checkpointing"] == "selective"
+    with open(record_path) as f:
+        assert json.load(f)["activation_checkpointing"] == "selective"
+    assert lines[-1].startswith("activation_checkpointing=auto: chose selective (device_batch_size=16")
+
+
+@pytest.mark.unit
+def test_selective_trains_like_none_for_100_steps():
+    """
+    100 optimizer steps of the tiny model (fp32, Newton-Schulz in fp32, 2 micro-batches per step, nanotrain's
+    forward_backward and optimizer_step, lr warmdown) with selective checkpointing log the same losses as without,
+    within 1e-5 relative at every step (fp32 roundoff: the recomputed ops are the same ops), and the loss falls.
+    Catches a recomputation that reads state changed since the forward (e.g. weights updated before backward would
+    not show here, but a cached matmul output reused across micro-steps would) and any drift accumulating over steps.
+    """
+    from nanotrain.optim import setup_optimizers
+    from nanotrain.training import forward_backward, lr_multiplier, micro_batches, optimizer_step
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, TINY.vocab_size, (4, TINY.max_seq_len), generator=g),) * 2 for _ in range(8)]
+    losses = {}
+    for policy in ("none", "selective"):
+        model = tiny_model()
+        model.activation_checkpointing = policy
+        optimizers = setup_optimizers(model, ns_dtype="float32")
+        out = []
+        for step in range(100):
+            x, _ = data[step % len(data)]
+            y = torch.roll(x, -1, dims=1)
+            out.append(forward_backward(model, micro_batches(x, y, 2), torch.autocast("cpu", enabled=False)).item())
+            optimizer_step(model, optimizers, lr_multiplier(step, 100), 0.95, 1.0)
+        losses[policy] = out
+    for a, b in zip(losses["none"], losses["selective"]):
+        assert abs(a - b) <= 1e-5 * abs(a), (a, b)
+    assert losses["none"][-1] < 0.5 * losses["none"][0]
 
 
 @pytest.mark.slow  # the default run keeps test_lower_peak_memory_same_batch and test_auto_batch_size's discovery
@@ -226,6 +382,38 @@ def test_base_train_same_losses(base_dir):
     assert all(abs(a[s] - b[s]) <= 1e-6 * abs(a[s]) for s in a), (a, b)
     with open(os.path.join(base_dir, "base", "ac", "auto_batch_size.json")) as f:
         record = json.load(f)
-    assert record["device_batch_size"] == 4 and record["cache_key"]["key_fields"]["activation_checkpointing"] is True
-    with open(os.path.join(base_dir, "base", "ac", "config.json")) as f:
-        assert json.load(f)["activation_checkpointing"] is True
+    assert record["device_batch_size"] == 4 and record["cache_key"]["key_fields"]["activation_checkpointing"] == "full"
+    with open(os.path.join(base_dir, "base", "ac", "config.json")) as f:  # the setting as given, read as full
+        assert json.load(f)["activation_checkpointing"] == "True"
+
+
+@pytest.mark.smoke
+@pytest.mark.slow  # the default run keeps test_selective_trains_like_none_for_100_steps and test_auto_discovers_*
+def test_base_train_selective_and_auto(base_dir):
+    """
+    base_train for 2 steps with --activation_checkpointing=selective (a fixed device_batch_size) logs the losses of
+    the plain run (relative 1e-6), and --activation_checkpointing=auto with --auto_batch_size=True prints its choice,
+    writes it to auto_batch_size.json and trains the same losses too; a bad value is one line naming the flag, and
+    no run directory.
+    Catches the setting not reaching the model (a str the model cannot read, or auto passed on unresolved).
+    """
+    args = [a for a in TINY_TRAIN if not a.startswith("--device_batch_size=")]
+    runs = [[*TINY_TRAIN, "--run_name=plain"], [*TINY_TRAIN, "--run_name=sel", "--activation_checkpointing=selective"],
+            [*args, "--run_name=auto", "--activation_checkpointing=auto", "--auto_batch_size=True",
+             "--max_batch_size=4", "--device_memory_gb=4"]]
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda a: run_script("base_train.py", *a, "--num_iterations=2", base_dir=base_dir),
+                                runs))
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    losses = [{r["step"]: r["loss"] for r in metrics(base_dir, name) if "loss" in r} for name in ("plain", "sel", "auto")]
+    assert sorted(losses[0]) == [1, 2]
+    for other in losses[1:]:
+        assert sorted(other) == [1, 2] and all(abs(losses[0][s] - other[s]) <= 1e-6 * abs(losses[0][s]) for s in other)
+    assert "activation_checkpointing=auto: chose none (device_batch_size=4" in results[2].stdout + results[2].stderr
+    with open(os.path.join(base_dir, "base", "auto", "auto_batch_size.json")) as f:
+        assert json.load(f)["activation_checkpointing"] == "none"
+    bad = run_script("base_train.py", *TINY_TRAIN, "--activation_checkpointing=partial", "--run_name=bad",
+                     base_dir=base_dir)
+    assert bad.returncode != 0 and "--activation_checkpointing='partial': expected none|selective|full|auto" in bad.stderr
+    assert not os.path.exists(os.path.join(base_dir, "base", "bad"))  # refused before anything is written

@@ -32,6 +32,7 @@ from nanotrain.autobatch.search import candidate_batch_sizes, discover_device_ba
 from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import OOM_MESSAGES, forward_backward, is_oom_error, micro_batches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -533,7 +534,7 @@ def passed_model():
     torch.manual_seed(0)
     model = SimulatedOOMGPT(TINY_GPT)
     model.init_weights()
-    return model, model.setup_optimizers()
+    return model, setup_optimizers(model)
 
 
 def passed_tiny():
@@ -1149,16 +1150,28 @@ def test_default_cpu_budget_is_half_of_memavailable_per_local_rank(monkeypatch, 
 @pytest.mark.smoke
 @pytest.mark.slow  # plan mode's flags are checked in the default run (test_plan_mode_flags_are_checked)
 def test_plan_mode_prints_an_estimate_table():
+    """Plan mode's table: a row per probe and the size found per depth and policy with its counted recompute share
+    (none: 0.0%); with --activation_checkpointing=auto every policy's rows and the choice per depth."""
     out = subprocess.run([sys.executable, PLAN, "--depths=1,2", "--max_seq_len=32", "--vocab_size=256",
                           "--total_batch_size=1024", "--device_memory_gb=0.02"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "ESTIMATE" in text and "fake CPU tensors" in text
-    assert re.search(r"^\s+1 \|\s+[\d,]+ \|\s+\d+ \|\s+[\d.]+ \| (yes|no)$", text, re.M)
-    found = re.findall(r"^\s+(\d) \| => device_batch_size=(\d+) \(grad_accum_steps=(\d+)\)$", text, re.M)
+    assert re.search(r"^\s+1 \|\s+none \|\s+[\d,]+ \|\s+\d+ \|\s+[\d.]+ \| (yes|no)$", text, re.M)
+    found = re.findall(r"^\s+(\d) \|\s+none \| => device_batch_size=(\d+) \(grad_accum_steps=(\d+)\) \| "
+                       r"recompute 0\.0%$", text, re.M)
     assert [d for d, _, _ in found] == ["1", "2"]
     assert all(int(b) * int(g) * 32 == 1024 for _, b, g in found)
+    out = subprocess.run([sys.executable, PLAN, "--depths=2", "--max_seq_len=32", "--vocab_size=256",
+                          "--total_batch_size=1024", "--device_memory_gb=0.02", "--activation_checkpointing=auto"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    policies = re.findall(r"^\s+2 \|\s+(\w+) \| => device_batch_size=\d+ \(grad_accum_steps=\d+\) \| recompute "
+                          r"([\d.]+)%$", out.stdout, re.M)
+    assert [p for p, _ in policies] == ["none", "selective", "full"]
+    assert float(policies[1][1]) == 0.0 and float(policies[2][1]) > 15
+    assert re.search(r"^\s+2 \| auto: (none|selective), device_batch_size=\d+, recompute 0\.0%", out.stdout, re.M)
 
 
 @pytest.mark.smoke

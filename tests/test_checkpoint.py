@@ -12,6 +12,7 @@ import torch
 from nanotrain.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from nanotrain.common import rng_state, set_rng_state
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +29,7 @@ def setup():
     torch.manual_seed(0)
     model = GPT(CONFIG)
     model.init_weights()
-    opts = model.setup_optimizers()
+    opts = setup_optimizers(model)
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))).backward()
     for o in opts:
         o.step()
@@ -167,11 +168,11 @@ def test_resume_applies_this_runs_learning_rates(tmp_path):
     from nanotrain.checkpoint import load_optimizers
     model, opts = setup()
     states = [o.state_dict() for o in opts]
-    same = model.setup_optimizers()
+    same = setup_optimizers(model)
     assert load_optimizers(model, same, states) == []
     assert [g["initial_lr"] for o in same for g in o.param_groups] == [g["initial_lr"] for o in opts
                                                                        for g in o.param_groups]
-    halved = model.setup_optimizers(matrix_lr=0.01, embedding_lr=0.1, unembedding_lr=0.004)
+    halved = setup_optimizers(model, matrix_lr=0.01, embedding_lr=0.1, unembedding_lr=0.004)
     wanted = [g["initial_lr"] for o in halved for g in o.param_groups]
     changes = load_optimizers(model, halved, states)
     assert [g["initial_lr"] for o in halved for g in o.param_groups] == wanted

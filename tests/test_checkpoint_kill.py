@@ -20,6 +20,7 @@ from helpers import REPO, TINY_TRAIN, run_script, run_with_kill, same
 
 from nanotrain.checkpoint import list_checkpoints, load_latest, save_checkpoint, step_of
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 
 CONFIG = GPTConfig(max_seq_len=16, vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, model_dim=32)
 def model_at(step):
@@ -29,7 +30,7 @@ def model_at(step):
     model.init_weights()
     with torch.no_grad():
         model.lm_head.weight.fill_(float(step))
-    return model, model.setup_optimizers()
+    return model, setup_optimizers(model)
 
 
 def saved_step(ckpt):

@@ -18,6 +18,7 @@ from record_loss_curve import COMMAND, CONFIG, PATH, SETTINGS, train_curve  # no
 
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import forward_backward, lr_multiplier, micro_batches, muon_momentum, optimizer_step
 
 pytestmark = pytest.mark.unit
@@ -45,7 +46,7 @@ def memorise(n_seq, micro_batch, steps=300, broken=None):
     torch.manual_seed(0)
     model = GPT(OVERFIT)
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     g = torch.Generator().manual_seed(123)
     seq = torch.randint(0, OVERFIT.vocab_size, (n_seq, OVERFIT.max_seq_len + 1), generator=g)
     x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from nanotrain.common import all_reduce_scalar, exit_process
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 from nanotrain.run import check_replicas
 from nanotrain.training import forward_backward, micro_batches, optimizer_step
 
@@ -67,7 +68,7 @@ def worker(rank, port, out_dir, wrong):
     result = {"grad": grad, "syncs": syncs}
     if not wrong:
         result["loss"] = all_reduce_scalar(loss, "mean", torch.device("cpu"))
-        opts = model.setup_optimizers()
+        opts = setup_optimizers(model)
         result["grad_norm"] = optimizer_step(model, opts, 1.0, 0.95, 0.05).item()  # clipping active (norm > 0.05)
         result["local_norm"] = local_norm
         for step in range(1, 5):
@@ -124,6 +125,7 @@ def ns_worker(rank, port, out_dir, agree):
     import nanotrain.muon as muon
     from nanotrain.common import compute_init
     from nanotrain.gpt import GPT, GPTConfig
+    from nanotrain.optim import setup_optimizers
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -134,7 +136,7 @@ def ns_worker(rank, port, out_dir, agree):
         hardware.all_reduce_scalar = lambda value, op, device: int(value)
     compute_init("cpu")
     model = GPT(GPTConfig(max_seq_len=8, vocab_size=32, n_layer=1, n_head=1, n_kv_head=1, model_dim=16))
-    model.setup_optimizers()  # ns_dtype "": settles Muon's Newton-Schulz dtype, before any step
+    setup_optimizers(model)  # ns_dtype "": settles Muon's Newton-Schulz dtype, before any step
     torch.save({"chosen": muon.ns_dtype_for("cpu")}, os.path.join(out_dir, f"ns{rank}.pt"))
     exit_process(0)
 
@@ -143,7 +145,7 @@ def ns_worker(rank, port, out_dir, agree):
 def test_ranks_agree_on_the_newton_schulz_dtype(tmp_path, agree):
     """
     Muon's Newton-Schulz dtype is measured per CPU; under DDP every rank must use the same one or the replicas drift.
-    GPT.setup_optimizers settles it on every rank before any Muon step: with rank 0 measuring fast bf16 and rank 1
+    nanotrain.optim.setup_optimizers settles it on every rank before any Muon step: with rank 0 measuring fast bf16 and rank 1
     slow bf16, both choose fp32. The wrong variant (each rank decides alone) is run
     too and gives rank 0 bf16 and rank 1 fp32.
     """

@@ -17,6 +17,7 @@ from helpers import TINY_TRAIN, free_port, run_script
 from nanotrain.checkpoint import load_checkpoint, load_optimizers, save_checkpoint
 from nanotrain.common import all_reduce_scalar, exit_process
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import forward_backward, micro_batches, optimizer_step
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
@@ -102,14 +103,14 @@ def worker(rank, port, out):
     # DDP reference, checkpoint after SAVE_AT steps
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opts = model.setup_optimizers(**OPT)
+    opts = setup_optimizers(model, **OPT)
     res["ddp"] = train(model, ddp, opts, rank, range(SAVE_AT))
     save_checkpoint(out + "/ddp", SAVE_AT, model, opts, {}, {"rank": rank}, rank, WORLD)
     res["ddp"] += train(model, ddp, opts, rank, range(SAVE_AT, STEPS))
 
     # FSDP, same init and data; checkpoint after SAVE_AT steps
     model = fsdp_model()
-    opts = model.setup_optimizers(**OPT)
+    opts = setup_optimizers(model, **OPT)
     res["fsdp"] = train(model, model, opts, rank, range(SAVE_AT))
     save_checkpoint(out + "/fsdp", SAVE_AT, model, opts, {}, {"rank": rank}, rank, WORLD)
     fsdp_params = full_params(model)
@@ -119,7 +120,7 @@ def worker(rank, port, out):
     right = nanotrain.muon.orthogonalize
     nanotrain.muon.orthogonalize = local_only
     model = fsdp_model()
-    res["wrong"] = train(model, model, model.setup_optimizers(**OPT), rank, range(STEPS))
+    res["wrong"] = train(model, model, setup_optimizers(model, **OPT), rank, range(STEPS))
     nanotrain.muon.orthogonalize = right
 
     # FSDP checkpoint -> plain model under DDP: identical parameters, then the same losses as the DDP run
@@ -127,7 +128,7 @@ def worker(rank, port, out):
     model = make_model()
     model.load_state_dict(ck["model"])
     res["fsdp_ckpt_equal"] = all(torch.equal(p, fsdp_params[n]) for n, p in model.named_parameters())
-    opts = model.setup_optimizers(**OPT)
+    opts = setup_optimizers(model, **OPT)
     load_optimizers(model, opts, ck["optim"])
     res["fsdp_to_ddp"] = train(model, torch.nn.parallel.DistributedDataParallel(model), opts, rank,
                                range(SAVE_AT, STEPS))
@@ -135,7 +136,7 @@ def worker(rank, port, out):
     # DDP checkpoint -> FSDP: the optimizer state round-trips exactly, then the same losses as the DDP run
     ck = load_checkpoint(out + "/ddp/checkpoints/step_%06d" % SAVE_AT, CPU, rank)
     model = fsdp_model(state=ck["model"])
-    opts = model.setup_optimizers(**OPT)
+    opts = setup_optimizers(model, **OPT)
     load_optimizers(model, opts, ck["optim"])
     model_state, optim_states = full_state_dicts(model, opts)
     if rank == 0:
@@ -147,7 +148,7 @@ def worker(rank, port, out):
     model = fsdp_model(torch.bfloat16)
     policies = [m._get_fsdp_state()._mp_policy for m in model.modules() if hasattr(m, "_get_fsdp_state")]
     res["policies"] = [(p.param_dtype, p.reduce_dtype) for p in policies]
-    opts = model.setup_optimizers(**OPT)
+    opts = setup_optimizers(model, **OPT)
     g = torch.Generator().manual_seed(7)
     x, y = torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g)
     forward_backward(model, micro_batches(x, y, 2), nullcontext())

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
+from nanotrain.optim import setup_optimizers
 
 pytestmark = pytest.mark.unit
 
@@ -258,7 +259,7 @@ def test_setup_optimizers(capsys):
     also catches parameters missing from (or duplicated in) the optimizers and a missing initial_lr.
     """
     model = make_model(randomize=False, smear=True, backout=True, x0_lambdas=True)
-    adamw, muon = model.setup_optimizers(matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5)
+    adamw, muon = setup_optimizers(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.004, scalar_lr=0.5)
     assert capsys.readouterr().out == ""  # the model prints nothing; the scripts log the lr scale
     lrs = [g["lr"] for g in adamw.param_groups]
     assert lrs == pytest.approx([0.01385641, 0.69282032, 0.34641016, 0.005, 0.5, 0.2], rel=1e-6)
@@ -282,10 +283,10 @@ def test_setup_optimizers_beta2_per_group():
     getting the embeddings' beta2), the value embeddings left out, and the scalars' groups changed too.
     """
     model = make_model(randomize=False, smear=True, backout=True, x0_lambdas=True)
-    adamw, _ = model.setup_optimizers(embedding_beta2=0.995, unembedding_beta2=0.96)
+    adamw, _ = setup_optimizers(model, embedding_beta2=0.995, unembedding_beta2=0.96)
     assert [g["betas"] for g in adamw.param_groups] == [(0.8, 0.96), (0.8, 0.995), (0.8, 0.995), (0.8, 0.95),
                                                          (0.96, 0.95), (0.8, 0.95)]
-    adamw, _ = model.setup_optimizers()
+    adamw, _ = setup_optimizers(model)
     assert [g["betas"][1] for g in adamw.param_groups] == [0.95] * 6
 
 
@@ -307,7 +308,7 @@ def test_cuda_bf16_paths(monkeypatch):
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, logits_sdpa, atol=0.1, rtol=0.05)
     assert len(out) == 8
-    adamw, muon = model.setup_optimizers()
+    adamw, muon = setup_optimizers(model)
     assert adamw.defaults["fused"]
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(idx, idx).backward()

@@ -30,6 +30,7 @@ from nanotrain.export import export_safetensors, load_safetensors
 from nanotrain.fsdp import shard_model
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.kernels import linear_cross_entropy
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import forward_backward, micro_batches, optimizer_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -113,7 +114,7 @@ def test_compiled_model_and_step_equal_eager_on_cuda():
     runs = {}
     for compiled in (False, True):
         model = gqa_model().to(CUDA)
-        optimizers = model.setup_optimizers()
+        optimizers = setup_optimizers(model)
         fwd = torch.compile(model, dynamic=False) if compiled else model
         losses, grad0 = [], None
         for step in range(3):
@@ -173,8 +174,8 @@ def test_muon_and_fused_adamw_on_cuda_step_like_cpu(ns_dtype, tol):
     for pc, pg in zip(cpu.parameters(), cuda.parameters()):
         pg.grad = pc.grad.to(CUDA)
     before = [p.detach().clone() for p in cpu.parameters()]
-    cpu_opts = cpu.setup_optimizers(ns_dtype="float32", weight_decay=0.01, muon_weight_decay=0.1)
-    cuda_opts = cuda.setup_optimizers(ns_dtype=ns_dtype, weight_decay=0.01, muon_weight_decay=0.1)
+    cpu_opts = setup_optimizers(cpu, ns_dtype="float32", weight_decay=0.01, muon_weight_decay=0.1)
+    cuda_opts = setup_optimizers(cuda, ns_dtype=ns_dtype, weight_decay=0.01, muon_weight_decay=0.1)
     assert cuda_opts[0].defaults["fused"] and cuda_opts[1].__class__.__name__ == "Muon"
     for opt in cpu_opts + cuda_opts:
         opt.step()
@@ -204,7 +205,7 @@ def test_ddp_and_fsdp2_on_nccl_at_one_rank(tmp_path):
             model = tiny_model().to(CUDA)
             if kind == "fsdp":
                 model = shard_model(model, CUDA, torch.float32)
-            optimizers = model.setup_optimizers()
+            optimizers = setup_optimizers(model)
             wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0]) if kind == "ddp" else model
             loss = forward_backward(wrapped, micro_batches(x, y, 2), autocast("fp32")).item()
             g = full_grads(model)

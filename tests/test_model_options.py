@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from nanotrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from nanotrain.gpt import GPT, GPTConfig, KVCache, segment_info
+from nanotrain.optim import setup_optimizers
 
 pytestmark = pytest.mark.unit
 
@@ -151,7 +152,7 @@ def test_a_checkpoint_of_the_previous_format_is_refused_in_one_line(tmp_path):
     """A checkpoint written before the options (meta format 1) is refused with a CheckpointError that names the
     format, instead of failing later on missing weights. Catches a loader that ignores the format."""
     model = make()
-    opts = model.setup_optimizers()
+    opts = setup_optimizers(model)
     path = save_checkpoint(str(tmp_path), 3, model, opts, {"config": {}, "model_config": vars(model.config)}, {})
     assert load_checkpoint(path, "cpu")["meta"]["step"] == 3
     meta_file = f"{path}/meta.json"

@@ -8,6 +8,7 @@ import torch
 
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.muon import Muon, normalize_variance, orthogonalize, zeropower_via_newtonschulz5
+from nanotrain.optim import setup_optimizers
 
 pytestmark = pytest.mark.unit
 
@@ -107,7 +108,7 @@ def test_tiny_model_trains():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, n_layer=2, model_dim=64, n_head=2, n_kv_head=2, max_seq_len=32))
     model.init_weights()
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 256, (4, 32), generator=gen)
     targets = torch.randint(0, 256, (4, 32), generator=gen)

@@ -10,6 +10,7 @@ import torch
 from helpers import tiny_model
 
 from nanotrain.errors import UserError
+from nanotrain.optim import setup_optimizers
 from nanotrain.osft import OSFT, project
 from nanotrain.training import forward_backward, optimizer_step
 
@@ -31,7 +32,7 @@ def train(model, optimizers, steps, seed=0):
 def setup(rank_ratio, matrices="attn,mlp,lm_head", attach=True):
     """A tiny GPT with weight decay on in both optimizers (AdamW's lm_head and Muon's cautious decay), OSFT on."""
     model = tiny_model()
-    optimizers = model.setup_optimizers(weight_decay=0.1, muon_weight_decay=0.1, unembedding_lr=0.05)
+    optimizers = setup_optimizers(model, weight_decay=0.1, muon_weight_decay=0.1, unembedding_lr=0.05)
     osft = OSFT(model, rank_ratio, matrices)
     if attach:
         osft.attach(optimizers)
@@ -115,7 +116,7 @@ def test_resume_with_the_saved_bases_is_exact():
     for fresh_bases in (False, True):
         model2 = tiny_model()
         model2.load_state_dict(weights)
-        opts2 = model2.setup_optimizers(weight_decay=0.1, muon_weight_decay=0.1, unembedding_lr=0.05)
+        opts2 = setup_optimizers(model2, weight_decay=0.1, muon_weight_decay=0.1, unembedding_lr=0.05)
         for o, s in zip(opts2, states):
             o.load_state_dict(s)
         osft2 = OSFT(model2, 0.5, "attn,mlp,lm_head", state=None if fresh_bases else saved)
@@ -147,8 +148,8 @@ def _ddp_worker(rank, world, port, out_dir, mode):
     if mode == "fsdp":
         from nanotrain.fsdp import shard_model
         model = shard_model(model, torch.device("cpu"), torch.float32)
-    optimizers = model.setup_optimizers(weight_decay=0.1, muon_weight_decay=0.1, unembedding_lr=0.05,
-                                        ns_dtype="float32")
+    optimizers = setup_optimizers(model, weight_decay=0.1, muon_weight_decay=0.1, unembedding_lr=0.05,
+                                  ns_dtype="float32")
     osft = OSFT(model, 0.5, "attn,mlp,lm_head")
     osft.attach(optimizers)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if mode == "ddp" and world > 1 else model

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.gpt import GPT, SOFTCAP, GPTConfig
+from nanotrain.optim import setup_optimizers
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 
 pytestmark = pytest.mark.unit
@@ -63,7 +64,7 @@ def one_bf16_step(model, device=CPU):
     """One training step as base_train runs it with --dtype=bfloat16 (accumulation 2) on `device`. Returns
     (optimizers, dtypes seen: the c_q matmul output under autocast, the gradients right before the update)."""
     model.to(device)
-    optimizers = model.setup_optimizers()
+    optimizers = setup_optimizers(model)
     compute_dtype, ctx = precision("bfloat16", device)
     assert compute_dtype == torch.bfloat16
     seen = {}
@@ -138,7 +139,7 @@ def changed_fraction(param_dtype, steps=100, lr=1e-5):
     """Fraction of parameter elements that differ from their initial value after `steps` steps at lr for every group
     (AdamW for wte/lm_head, Muon for the blocks), with bf16 autocast and parameters stored in param_dtype."""
     model = tiny_model().to(param_dtype)
-    optimizers = model.setup_optimizers(matrix_lr=lr, embedding_lr=lr, unembedding_lr=lr)
+    optimizers = setup_optimizers(model, matrix_lr=lr, embedding_lr=lr, unembedding_lr=lr)
     before = [p.detach().clone() for p in model.parameters()]
     _, ctx = precision("bfloat16", CPU)
     for step in range(steps):

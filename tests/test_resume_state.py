@@ -11,6 +11,7 @@ import torch
 from nanotrain.checkpoint import load_latest, resume_checkpoint, save_checkpoint
 from nanotrain.common import rng_state, set_rng_state
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 from nanotrain.osft import OSFT
 
 pytestmark = pytest.mark.unit
@@ -41,7 +42,7 @@ def test_missing_osft_file_falls_back_to_the_previous_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     model.init_weights()
-    opts = model.setup_optimizers()
+    opts = setup_optimizers(model)
     osft = OSFT(model, 0.5, "attn,mlp")
     meta = {"config": {"osft_rank_ratio": 0.5}, "model_config": vars(CONFIG), "tokens_seen": 0, "train_time": 0.0}
     for step in (1, 2):

@@ -9,6 +9,7 @@ import torch
 import nanotrain.checkpoint as checkpoint
 from nanotrain.checkpoint import SAVES, interrupted_line, list_checkpoints, save_checkpoint
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.optim import setup_optimizers
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +27,7 @@ def run(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = GPT(CONFIG)
     model.init_weights()
-    return str(tmp_path / "run"), model, model.setup_optimizers(), stop
+    return str(tmp_path / "run"), model, setup_optimizers(model), stop
 
 
 def save(run, step, **kw):

@@ -7,32 +7,38 @@ key_fields that tell its cache entries apart.
 import torch
 
 from nanotrain.gpt import GPT
+from nanotrain.optim import setup_optimizers
 from nanotrain.osft import DEFAULT_MATRICES, OSFT
+from nanotrain.recompute import policy_name
 
 
 def gpt_builder(model_config, *, activation_checkpointing=False, osft_rank_ratio=0.0, osft_matrices=DEFAULT_MATRICES,
                 **optimizer_kwargs):
     """
     A build_probe(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
-    FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it, fresh
+    FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it (a
+    nanotrain.recompute policy name, or True/False for full/none, kept as given in the model and the key), fresh
     optimizers from setup_optimizers(**optimizer_kwargs), and with osft_rank_ratio > 0 the OSFT bases (allocated,
     not computed) and projection hooks, so the probed step holds what an OSFT step holds; advances torch's global
     RNG. It carries `key_fields` (GPT config, activation checkpointing, OSFT, optimizer arguments) for the cache
     key, so another model never hits its entry.
     """
+    policy_name(activation_checkpointing)  # checked here; a bool stays a bool (the model reads both)
+    policy = activation_checkpointing
+
     def build_probe(device):
         with torch.device(device):
             model = GPT(model_config)
         model.init_weights()
-        model.activation_checkpointing = bool(activation_checkpointing)
-        optimizers = model.setup_optimizers(**optimizer_kwargs)
+        model.activation_checkpointing = policy
+        optimizers = setup_optimizers(model, **optimizer_kwargs)
         if osft_rank_ratio > 0:
             model.osft = OSFT(model, osft_rank_ratio, osft_matrices, allocate_only=True)  # kept alive with the model
             model.osft.attach(optimizers)
         return model, optimizers
 
     build_probe.key_fields = {"gpt_config": dict(vars(model_config)), "optimizer_kwargs": dict(optimizer_kwargs),
-                              "activation_checkpointing": bool(activation_checkpointing)}
+                              "activation_checkpointing": policy}
     if osft_rank_ratio > 0:
         build_probe.key_fields["osft"] = [float(osft_rank_ratio), osft_matrices]
     return build_probe
