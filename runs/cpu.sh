@@ -45,7 +45,7 @@ python scripts/chat_sft.py --run_name=$RUN --source_run_name=$RUN --eval_every=5
 python scripts/chat_eval.py --source=base --run_name=$RUN --max_problems=100 --max_tokens=64  # a base model never stops
 BENCH=,arc_easy,arc_challenge,mmlu,gsm8k
 if [ "${HUMANEVAL:-0}" = 1 ]; then BENCH=,chatcore; fi
-python -m nanotrain.pinned || BENCH=
+python -m nanotrain.benchmarks || BENCH=
 python scripts/chat_eval.py --source=sft --run_name=$RUN --max_problems=100 --tasks=arith,spell,identity$BENCH \
     --data=pinned
 

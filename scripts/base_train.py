@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from nanotrain import run, training
 from nanotrain.autobatch.builders import gpt_builder
 from nanotrain.autobatch.policy import discover_with_policy
 from nanotrain.autobatch.stepdown import OOMStepDown
@@ -44,20 +45,7 @@ from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.optim import adamw_lr_scale, compile_optimizer_step, setup_optimizers
 from nanotrain.recompute import policy_name
-from nanotrain.run import finish_run, get_run_dir, lock_run_dir, open_run_log, save_due, step_log_line
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
-from nanotrain.training import (
-    check_finite,
-    forward_backward,
-    grad_accum_steps_for,
-    lr_multiplier,
-    micro_batches,
-    muon_momentum,
-    muon_weight_decay_for,
-    optimizer_step,
-    precision,
-    resolve_compile,
-)
 
 # ----------------------------------------------------------------------------- settings
 run_name = ""  # outputs go to <base_dir>/base/<run_name>; "" means d<depth> (not --run: torchrun claims that prefix)
@@ -136,8 +124,8 @@ def main():
     t_start = time.time()  # wall time of the stage, for the report card
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
-    compute_dtype, autocast_ctx = precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
-    use_compile = resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
+    compute_dtype, autocast_ctx = training.precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
+    use_compile = training.resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     ac_policy = policy_name(activation_checkpointing, allow_auto=True)  # auto: chosen with the device batch size
     use_fsdp = fsdp and world_size > 1
     if fsdp and not use_fsdp:
@@ -146,7 +134,7 @@ def main():
         raise UserError("--core_every and --gold_bpb_every need the whole model on every rank: not with --fsdp=True "
                         "(evaluate the saved checkpoint with scripts/base_eval.py instead)")
 
-    # tokenizer, model config, run directory
+    # ------------------------------------------------------------------------- tokenizer, model config, run directory
     tokenizer = get_tokenizer()
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     token_bytes = get_token_bytes(device)
@@ -155,16 +143,17 @@ def main():
                                      backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale)
     muon_wd = config["muon_weight_decay"]
     if muon_wd is None:  # 0.4, shrinking with the width squared above model_dim 512
-        muon_wd = muon_weight_decay_for(model_config.model_dim)
+        muon_wd = training.muon_weight_decay_for(model_config.model_dim)
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
     # the downstream evaluations' data before anything is written: offline, one line and no run directory
     bundle = rank0_first(lambda: ensure_bundle(eval_bundle, own_eval_bundle), device) if core_every > 0 else None
     gold_rows = rank0_first(ensure_rows, device) if gold_bpb_every > 0 else None
-    run_dir = get_run_dir("base", run_name or f"d{depth}")
-    lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
+    run_dir = run.get_run_dir("base", run_name or f"d{depth}")
+    run.lock_run_dir(run_dir, device, rank)  # one writer per run: a second run of this name refuses
 
-    # device batch size: given, discovered (before the model is built, so CUDA probes have the memory), or 32;
+    # ------------------------------------------------------------------------- device batch size
+    # given, discovered (before the model is built, so CUDA probes have the memory), or 32;
     # only grad_accum_steps depends on it, the optimization does not
     device_batch_size = config["device_batch_size"]
     step_down = None  # with a discovered size: steps every rank down to a smaller size on out-of-memory
@@ -175,7 +164,7 @@ def main():
         print0(f"device_batch_size not set: using the fixed default {device_batch_size}")
     if device_batch_size is None or ac_policy == "auto":
         if device_batch_size is not None:  # a given size that does not divide the batch: one line, before probing
-            grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+            training.grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
         build = lambda policy: gpt_builder(  # noqa: E731
             model_config, activation_checkpointing=policy, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
             unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay, ns_dtype=ns_dtype,
@@ -194,18 +183,20 @@ def main():
             step_down = OOMStepDown(ab_record, record_path, device_batch_size)
 
     def batch_sizes(device_batch_size):  # everything that depends on the device batch size, here and after a step-down
-        grad_accum_steps = grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
+        grad_accum_steps = training.grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size)
         eval_steps = max(1, eval_tokens // (device_batch_size * max_seq_len * world_size))  # always eval_tokens
         return device_batch_size, grad_accum_steps, eval_steps
     device_batch_size, grad_accum_steps, eval_steps = batch_sizes(device_batch_size)
     rows_per_step = device_batch_size * grad_accum_steps  # per rank, all micro-batches: fixed by total_batch_size
 
-    # resume: the newest complete checkpoint of this run, written with the same data and sizes
+    # ------------------------------------------------------------------------- resume
+    # the newest complete checkpoint of this run, written with the same data and sizes
     ckpt = resume_checkpoint(run_dir, torch.device("cpu") if use_fsdp else device, rank, device) if resume else None
     if ckpt is not None:
         check_resume(ckpt, run_dir, config, RESUME_KEYS, world_size)
 
-    # model: initialised from the seed (or loaded), then sharded (FSDP), its optimizers, then compiled and wrapped
+    # ------------------------------------------------------------------------- model
+    # initialised from the seed (or loaded), then sharded (FSDP), its optimizers, then compiled and wrapped
     seed_everything(seed)
     model = build_model(model_config, device, ckpt, vocab_size, tokenizer_sha256=tokenizer_sha256,
                         init_device=torch.device("cpu") if use_fsdp else None)  # FSDP: whole on the host only
@@ -232,13 +223,14 @@ def main():
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
                                                           else None)
 
-    # horizon
+    # ------------------------------------------------------------------------- horizon
     if num_iterations is not None:
         total_steps = num_iterations
     else:
         total_steps = max(1, int(target_param_data_ratio * model.num_scaling_params()) // total_batch_size)
 
-    # data: each rank reads its own share of the documents; the loader's position is part of every checkpoint
+    # ------------------------------------------------------------------------- data
+    # each rank reads its own share of the documents; the loader's position is part of every checkpoint
     train_loader = TokenLoader(tokenizer, train_files, device_batch_size, max_seq_len, device, rank, world_size,
                                row_packing=row_packing)
     if ckpt is not None:
@@ -247,20 +239,20 @@ def main():
     def val_batches():  # contiguous rows whatever row_packing is: every validation token counted once
         return TokenLoader(tokenizer, val_files, device_batch_size, max_seq_len, device, rank, world_size)
 
-    # logging
+    # ------------------------------------------------------------------------- logging
     peak_flops, peak_source = get_peak_flops(device, compute_dtype)
     print0(f"Device: {device} x {world_size} | dtype {str(compute_dtype).removeprefix('torch.')} | "
            f"compile {use_compile} | fsdp {use_fsdp}")
     print0(f"Model: depth {depth}, model_dim {model_config.model_dim}, n_head {model_config.n_head}, "
            f"vocab {vocab_size:,}, params {num_params:,}, FLOPs/token {flops_per_token:.3e}")
-    print0(f"AdamW lrs scaled by (model_dim/768)**-0.5 = {adamw_lr_scale(model_config.model_dim):.6f}; Muon weight decay "
-           f"{muon_wd:.4f}")
+    print0(f"AdamW lrs scaled by (model_dim/768)**-0.5 = {adamw_lr_scale(model_config.model_dim):.6f}; "
+           f"Muon weight decay {muon_wd:.4f}")
     print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
     print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "
            f"{total_steps * total_batch_size / num_params:.1f} tokens/param)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
-    metrics = open_run_log(run_dir, config, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
+    metrics = run.open_run_log(run_dir, config, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
         meta = {"config": config, "model_config": vars(model_config), "tokens_seen": tokens_seen,
@@ -285,7 +277,7 @@ def main():
         resume_step = ckpt["meta"]["step"] if ckpt is not None else None
         core_due = core_every > 0 and step > 0 and not stop and (last_step or step % core_every == 0)
         # CORE runs long: its step is saved before it starts (a crash or stop request in it loses nothing)
-        if save_due(step, last_step, save_every, resume_step) or (core_due and step not in (0, resume_step)):
+        if run.save_due(step, last_step, save_every, resume_step) or (core_due and step not in (0, resume_step)):
             checkpoint(step, tokens_seen, train_time)
         if stop:
             print0(f"Stopped at step {step} on request; resume with --resume=True")
@@ -339,32 +331,33 @@ def main():
             if step_down.device_batch_size != device_batch_size:
                 device_batch_size, grad_accum_steps, eval_steps = batch_sizes(step_down.device_batch_size)
         else:
-            loss = forward_backward(model, micro_batches(x, y, device_batch_size), autocast_ctx)
+            loss = training.forward_backward(model, training.micro_batches(x, y, device_batch_size), autocast_ctx)
         train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
-        check_finite(train_loss, step, run_dir)
+        training.check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
-        lrm = lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
-        mom = muon_momentum(step, warmup_steps=momentum_warmup, start=0.85, end=momentum, total_steps=total_steps,
-                            warmdown_ratio=warmdown_ratio, final=final_momentum)
-        grad_norm = optimizer_step(orig_model, optimizers, lrm, mom, grad_clip)
-        check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
+        lrm = training.lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
+        mom = training.muon_momentum(step, warmup_steps=momentum_warmup, start=0.85, end=momentum,
+                                     total_steps=total_steps, warmdown_ratio=warmdown_ratio, final=final_momentum)
+        grad_norm = training.optimizer_step(orig_model, optimizers, lrm, mom, grad_clip)
+        training.check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
         synchronize(device)
         dt = time.time() - t0
         step += 1
         tokens_seen += total_batch_size
         if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
             train_time += dt
-        line, row = step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
+        line, row = run.step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
                                   tokens=total_batch_size, flops_per_token=flops_per_token, peak_flops=peak_flops,
                                   world_size=world_size)
         print0(line)
         metrics.log(**row, tokens=tokens_seen)
 
-    # the end: replicas agree, the summary, the report card section
+    # ------------------------------------------------------------------------- the end
+    # replicas agree, the summary, the report card section
     summary = (f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
                f"final val bpb {val_bpb if val_bpb is None else round(val_bpb, 4)}")
-    finish_run(orig_model, run_dir, "base", metrics, t_start, summary)
+    run.finish_run(orig_model, run_dir, "base", metrics, t_start, summary)
 
 
 if __name__ == "__main__":

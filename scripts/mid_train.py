@@ -52,6 +52,7 @@ from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
+from nanotrain.recompute import policy_name
 from nanotrain.sft_data import ConversationTokenStream
 from nanotrain.tasks.registry import load_task_mixture
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
@@ -95,7 +96,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
-activation_checkpointing = False  # recompute each block in backward: far less activation memory, ~1/3 more compute
+activation_checkpointing = "none"  # none|selective|full (True/False: full/none), as base_train's; nanotrain/recompute.py
 # continual fine-tuning
 osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of each matrix's top singular directions frozen
 osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head
@@ -115,6 +116,7 @@ def main():
     master = rank == 0
     compute_dtype, autocast_ctx = training.precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
     use_compile = training.resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
+    ac_policy = policy_name(activation_checkpointing)  # none | selective | full, checked before anything is written
     tokenizer = get_tokenizer()
     tokenizer_sha256 = tokenizer.fingerprint()  # stored in every checkpoint, checked on every load
     token_bytes = get_token_bytes(device)
@@ -152,7 +154,7 @@ def main():
     elif auto_batch_size:
         record_path = os.path.join(run_dir, "auto_batch_size.json")
         device_batch_size, ab_record = discover_device_batch_size(
-            gpt_builder(model_config, activation_checkpointing=activation_checkpointing,
+            gpt_builder(model_config, activation_checkpointing=ac_policy,
                         osft_rank_ratio=osft_rank_ratio, osft_matrices=osft_matrices, **opt_kwargs),
             max_seq_len=max_seq_len, vocab_size=model_config.vocab_size, total_batch_size=total_batch_size,
             world_size=world_size, device=device, amp_dtype=compute_dtype, compile=use_compile,
@@ -174,7 +176,7 @@ def main():
     model = build_model(model_config, device, start, tokenizer.get_vocab_size(), tokenizer_sha256=tokenizer_sha256)
     source_path = start["path"] if ckpt is None else ckpt["meta"]["source"]
     del base, start
-    model.activation_checkpointing = activation_checkpointing  # before DDP / compile wrap it
+    model.activation_checkpointing = ac_policy  # before DDP / compile wrap it
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()

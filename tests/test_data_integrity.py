@@ -260,18 +260,18 @@ def _pinned_source(tmp_path, monkeypatch):
 
     from test_benchmarks import make_wheels
 
-    from nanotrain import pinned
+    from nanotrain import benchmarks
     folder = tmp_path / "wheels"
     folder.mkdir()
     pins = {}
-    for name, path in zip(pinned.PINNED, make_wheels(tmp_path)):
-        url, _, size = pinned.PINNED[name]
+    for name, path in zip(benchmarks.PINNED, make_wheels(tmp_path)):
+        url, _, size = benchmarks.PINNED[name]
         shutil.copy(path, folder / os.path.basename(url))
         pins[name] = (url, hashlib.sha256(open(path, "rb").read()).hexdigest(), size)
-    monkeypatch.setattr(pinned, "PINNED", pins)
-    monkeypatch.setattr(pinned, "TEST_ROWS", {"arc_easy": 2, "arc_challenge": 2, "mmlu": 4, "gsm8k": 1,
+    monkeypatch.setattr(benchmarks, "PINNED", pins)
+    monkeypatch.setattr(benchmarks, "TEST_ROWS", {"arc_easy": 2, "arc_challenge": 2, "mmlu": 4, "gsm8k": 1,
                                               "humaneval": 2})
-    monkeypatch.setenv(pinned.URL_ENV, str(folder))
+    monkeypatch.setenv(benchmarks.URL_ENV, str(folder))
 
 
 PINNED_DAMAGES = {"cut at a line boundary": _cut_line, "cut mid-line": _cut_mid, "empty": _empty,

