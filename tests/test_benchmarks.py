@@ -303,7 +303,7 @@ def test_the_pinned_test_sets(pinned, byte_tokenizer):
     """
     from nanotrain.tasks.gsm8k import grade_gsm8k
     sets, raw_mmlu, raw_arc = pinned
-    assert {n: len(c) for n, (c, _, _) in sets.items()} == {"arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042,
+    assert {n: len(c) for n, (c, _) in sets.items()} == {"arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042,
                                                             "gsm8k": 1319, "humaneval": 164}
     assert all(not skipped for _, skipped in sets.values())
     assert len({c["subject"] for c in sets["mmlu"][0]}) == 57

@@ -336,8 +336,8 @@ def test_learning_check_fails_with_lr_zero(matrix):
     The negative control of check_learns (not in the default run: three more processes): each script's 1-rank,
     accumulation-1 cell with every lr at 0 passes check_schema but fails check_learns.
     """
-    zero = {"base_train": ["--matrix_lr=0", "--embedding_lr=0", "--unembedding_lr=0"],
-            "mid_train": ["--init_lr_frac=0"], "chat_sft": ["--init_lr_frac=0"]}
+    every_lr = ["--matrix_lr=0", "--embedding_lr=0", "--unembedding_lr=0", "--scalar_lr=0"]  # init_lr_frac must be > 0
+    zero = {"base_train": every_lr[:3], "mid_train": every_lr, "chat_sft": every_lr}
     for script in STAGE:
         for dep in matrix.deps(("fresh", script, 1, 1)):
             assert matrix.result(dep)["proc"].returncode == 0, dep
