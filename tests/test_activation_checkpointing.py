@@ -417,3 +417,17 @@ def test_base_train_selective_and_auto(base_dir):
                      base_dir=base_dir)
     assert bad.returncode != 0 and "--activation_checkpointing='partial': expected none|selective|full|auto" in bad.stderr
     assert not os.path.exists(os.path.join(base_dir, "base", "bad"))  # refused before anything is written
+
+
+@pytest.mark.smoke
+def test_mid_and_sft_take_the_same_policy_names(base_dir):
+    """mid_train and chat_sft read --activation_checkpointing as base_train does (none|selective|full, True/False):
+    a bad value is one line naming the flag and writes no run directory, in both. Catches a script whose setting is
+    still a bool (the configurator would refuse 'selective') or that checks the value only once the model is built,
+    after its run directory exists."""
+    for script, stage in (("mid_train.py", "mid"), ("chat_sft.py", "sft")):
+        bad = run_script(script, "--activation_checkpointing=partial", "--run_name=bad", base_dir=base_dir)
+        assert bad.returncode == 2, bad.stderr[-2000:]
+        line = bad.stderr.strip().splitlines()[-1]
+        assert line.startswith("error: --activation_checkpointing='partial': expected") and "none|selective|full" in line
+        assert not os.path.exists(os.path.join(base_dir, stage, "bad"))
