@@ -5,9 +5,10 @@ scripts/chat_eval.py scores them, so that the numbers compare:
   <|assistant_start|>); the prediction is the argmax of the logits at that last position restricted to the problem's
   choice letters (each one token); right for the gold letter;
 - generative (GSM8K, HumanEval, the built-in tasks): the reply decoded by nanotrain.engine (greedy by default, the
-  calculator tool as asked), graded by GSM8K's "#### N" exact match, HumanEval's tests run in nanotrain.execution's
-  sandbox, or the task's own grade (nanotrain.tasks); with num_samples > 1 a problem's accuracy is its unbiased pass@1 (the share of
-  correct samples) and pass@k is reported too (Chen et al. 2021);
+  calculator tool as asked), graded by the conversation's task (nanotrain.tasks): GSM8K's "#### N" exact match,
+  HumanEval's tests in a trusted process that calls the reply's code in nanotrain.execution's sandbox, the
+  built-ins' own graders; with num_samples > 1 a problem's accuracy is its unbiased pass@1 (the share of correct
+  samples) and pass@k is reported too (Chen et al. 2021);
 - ChatCORE (nanochat): the mean over the five benchmarks of the centred accuracy (acc - chance) / (1 - chance),
   chance 0.25 for ARC-Easy, ARC-Challenge and MMLU, 0 for GSM8K and HumanEval; only when all five were scored.
 Problems are strided over ranks and the counts all-reduced, so every rank returns the same numbers.

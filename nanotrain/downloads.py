@@ -207,13 +207,10 @@ def download_verified(url, dest, sha256, what, hint):
     pinned file; OSError for a local file-system error.
     """
     download(url, dest, what, hint)
-    h = hashlib.sha256()
-    with open(dest, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    if h.hexdigest() != sha256:
+    got = file_digest(dest)[0]
+    if got != sha256:
         os.remove(dest)
-        raise UserError(f"{url}: sha256 {h.hexdigest()}, expected {sha256}: not {what} (damaged or another file); "
+        raise UserError(f"{url}: sha256 {got}, expected {sha256}: not {what} (damaged or another file); "
                         f"run again to download it again")
     return dest
 

@@ -65,7 +65,7 @@ def test_section_has_every_heading_and_plots(base_run, base_dir, tmp_path):
     """
     A base section of the real run has every subsection, the run's config and valid non-empty PNGs that it links.
     Its numbers are checked on a run directory whose metrics.jsonl is LITERAL_METRICS, against lines worked out by
-    hand (not read back through report.read_metrics, which the section is built from): 4 steps, training time
+    hand (not read back through report_plots.read_metrics, which the section is built from): 4 steps, training time
     2 + 0.5 + 0.25 + 0.25 = 3 s = 0.05 min; the median of the tokens/s of steps 2-4 (400, 200, 240) is 240 and of their
     MFU (4%, 2%, 2.4%) 2.4%; train loss first 6.5, last 4.125; val bpb 3.25 at step 0, 2.75 at step 4; the summary
     table repeats them. Fails on: the first step not left out (median 220 tokens/s, MFU 3.2%), a mean instead of the
