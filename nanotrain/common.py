@@ -256,8 +256,21 @@ def compute_init(device_type=""):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.barrier()
     else:
-        device = torch.device(device_type)
+        device = indexed_device(torch.device(device_type))
     return is_ddp, rank, local_rank, world_size, device
+
+
+def indexed_device(device):
+    """
+    `device` (a torch.device or a string) with its index filled in on CUDA: torch.device("cuda") becomes
+    cuda:<torch.cuda.current_device()>. torch.cuda's memory-fraction calls (set/get_per_process_memory_fraction)
+    raise ValueError for a CUDA device without an index; every device a script gets carries one. Other device
+    types are returned as torch.device(device), unchanged.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def compute_cleanup():

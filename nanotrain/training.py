@@ -170,6 +170,20 @@ def micro_batches(inputs, targets, micro_batch_size):
             for i in range(0, n_rows, micro_batch_size)]
 
 
+def wrap_ddp(model, device, world_size):
+    """
+    `model` wrapped in torch.nn.parallel.DistributedDataParallel when world_size > 1 (device_ids=[device.index] on
+    CUDA), else `model` itself: one process has no gradient to average, and the wrapper would only cost memory (a
+    flat copy of every gradient in its buckets, which the batch-size probes do not measure for one process) and,
+    under torch.compile, split the compiled graph at its bucket boundaries (DDPOptimizer). forward_backward's
+    gradient-sync rule applies to whatever this returns.
+    """
+    if world_size <= 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                     else None)
+
+
 def forward_backward(model, batches, autocast_ctx, *, loss_scale=None, catch_oom=False, on_micro_step=None):
     """
     The micro-steps of one optimizer step: forward and backward of every micro-batch in `batches`, gradients

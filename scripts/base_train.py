@@ -219,9 +219,8 @@ def main():
         if not use_fsdp:
             model = torch.compile(model, dynamic=False)
         compile_optimizer_step(optimizers, device)
-    if is_ddp and not use_fsdp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
-                                                          else None)
+    if not use_fsdp:
+        model = training.wrap_ddp(model, device, world_size)  # DDP for more than one process, else the model itself
 
     # ------------------------------------------------------------------------- horizon
     if num_iterations is not None:

@@ -166,9 +166,7 @@ def main():
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")
-    if is_ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
-                                                          else None)
+    model = training.wrap_ddp(model, device, world_size)  # DDP for more than one process, else the model itself
     engine = Engine(orig_model, tokenizer)
     pad_id = tokenizer.get_bos_token_id()
 

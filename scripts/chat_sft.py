@@ -275,9 +275,7 @@ def main():
     osft = setup_osft(orig_model, optimizers, osft_rank_ratio, osft_matrices, ckpt)
     if use_compile:
         model = torch.compile(model, dynamic=True)
-    if is_ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda"
-                                                          else None)
+    model = training.wrap_ddp(model, device, world_size)  # DDP for more than one process, else the model itself
 
     # ------------------------------------------------------------------------- logging
     peak_flops, peak_source = get_peak_flops(device, compute_dtype)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ["env", "tokenizer", "plan", "d20_auto", "gpu_tests", "d12_eager", "d12_compiled", "tiny_train", "sample",
-         "chat_eval"]
+STEPS = ["env", "tokenizer", "gpu_tests", "d12_eager", "plan", "d20_auto", "d12_compiled", "d12_auto", "d12_rows8",
+         "tiny_train", "sample", "chat_eval"]
 STEP_KEYS = {"ok", "rc", "seconds", "timed_out", "cmd", "error"}
 HIDDEN = ("datasets", "wandb", "flash_attn")
 SITECUSTOMIZE = f'''
@@ -97,6 +97,8 @@ def test_dry_run_full(tmp_path):
     assert tests["failed"] == tests["errors"] == 0 and tests["skipped"] >= 10 and tests["passed"] == 0
     assert steps["d12_eager"]["tokens_per_sec"] > 0 and steps["d12_eager"]["mfu"] > 0
     assert steps["d12_compiled"]["skipped"].startswith("dry run")
+    assert steps["d12_auto"]["device_batch_size"] >= 1 and steps["d12_rows8"]["device_batch_size"] is None
+    assert result["d12_auto_vs_rows8"]["tokens_per_sec_ratio"] > 0
     assert steps["sample"]["text"]
     assert steps["chat_eval"]["results"]["arith"]["total"] == 8
 
@@ -135,4 +137,4 @@ def test_a_spent_budget_records_every_step_and_exits_1(tmp_path):
             assert step["ok"] and step["skipped"].startswith("dry run")
         else:
             assert not step["ok"] and step["error"] == "not run: the budget of 4 s is spent", name
-    assert "FAILED: env, tokenizer, plan" in p.stdout
+    assert "FAILED: env, tokenizer, gpu_tests" in p.stdout

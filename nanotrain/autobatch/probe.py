@@ -13,7 +13,7 @@ import os
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from nanotrain.common import print0
+from nanotrain.common import indexed_device, print0
 from nanotrain.errors import UserError
 from nanotrain.training import forward_backward, is_oom_error, optimizer_step
 
@@ -154,7 +154,7 @@ class RealProbe:
     kind = "real step"
 
     def __init__(self, build_probe, device, max_seq_len, vocab_size, amp_dtype, world_size, fraction=None, log=print0):
-        self.build_probe, self.device, self.fraction, self.log = build_probe, torch.device(device), fraction, log
+        self.build_probe, self.device, self.fraction, self.log = build_probe, indexed_device(device), fraction, log
         self.max_seq_len, self.vocab_size, self.amp_dtype, self.world_size = max_seq_len, vocab_size, amp_dtype, world_size
         self.is_cuda = self.device.type == "cuda"
         self.model = self.optimizers = self.compiled_model = self.snapshot = None
@@ -171,6 +171,7 @@ class RealProbe:
             self.prev_fraction = torch.cuda.get_per_process_memory_fraction(self.device)
             if self.fraction is not None:
                 torch.cuda.set_per_process_memory_fraction(self.fraction, self.device)
+            self.baseline = 0  # read by _cleanup's leak check only; set for real once the cache is clean
             self._cleanup(check=False)
             self.baseline = torch.cuda.memory_allocated(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
@@ -207,8 +208,8 @@ class RealProbe:
             torch.cuda.synchronize(self.device)
             _empty_cache_guarded()
             torch.cuda.reset_peak_memory_stats(self.device)
-            leaked = torch.cuda.memory_allocated(self.device) - self.baseline
-            if check and leaked > max(64 * MiB, 0.01 * self.total):
+            leaked = torch.cuda.memory_allocated(self.device) - self.baseline if check else 0
+            if leaked > max(64 * MiB, 0.01 * self.total):
                 self.log(f"auto_batch_size: warning: {leaked / MiB:.0f} MiB still allocated after a probe (later "
                          f"probes see less memory, so the result errs on the small side)")
 
@@ -284,7 +285,7 @@ def device_memory_budget(device, device_memory_gb=None, local_world_size=1):
       torch.mps.recommended_max_memory().
     Returns (budget_bytes, description). Raises UserError for device_memory_gb <= 0 or an unknown machine size.
     """
-    device = torch.device(device)
+    device = indexed_device(device)
     if device_memory_gb is not None and device_memory_gb <= 0:
         raise UserError(f"--device_memory_gb={device_memory_gb}: expected a positive number of GiB")
     if device.type == "cuda":
