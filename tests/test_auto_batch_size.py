@@ -30,6 +30,7 @@ from nanotrain.autobatch.cache import cache_key, cache_path, drop_cached
 from nanotrain.autobatch.probe import measure_fake_peak
 from nanotrain.autobatch.search import candidate_batch_sizes, discover_device_batch_size, search_batch_size
 from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
+from nanotrain.common import compute_init
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.optim import setup_optimizers
@@ -1194,7 +1195,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_real_cuda_oom_under_the_memory_fraction_is_caught_and_cleaned_up():
     """A real allocator OOM: under set_per_process_memory_fraction(0.25) an allocation of half the device raises
     torch.OutOfMemoryError, is_oom_error says so, and memory is back to its baseline after clean-up."""
-    dev = torch.device("cuda")
+    dev = compute_init("cuda")[4]  # cuda:<index>, as a script gets it (the memory-fraction API needs the index)
     total = torch.cuda.get_device_properties(dev).total_memory
     prev = torch.cuda.get_per_process_memory_fraction(dev)
     baseline = torch.cuda.memory_allocated(dev)
@@ -1219,7 +1220,7 @@ def test_found_size_runs_20_steps_under_the_margin(monkeypatch, tmp_path):
     """Discovery on an emulated small device (device_memory_gb), then 20 real training steps at the found size with
     the allocator capped at margin * budget: no OOM and the reserved peak stays under the margin."""
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
-    dev = torch.device("cuda")
+    dev = compute_init("cuda")[4]  # cuda:<index>, as a script gets it (the memory-fraction API needs the index)
     config = GPTConfig(max_seq_len=512, vocab_size=8192, n_layer=4, n_head=2, n_kv_head=2, model_dim=256)
     build = gpt_builder(config)
     gb, margin = 2.0, 0.85

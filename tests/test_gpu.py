@@ -24,6 +24,7 @@ from nanotrain.autobatch.builders import gpt_builder
 from nanotrain.autobatch.probe import GiB
 from nanotrain.autobatch.search import discover_device_batch_size
 from nanotrain.autobatch.stepdown import OOMStepDown
+from nanotrain.common import compute_init
 from nanotrain.dataloader import TokenLoader
 from nanotrain.engine import Engine
 from nanotrain.export import export_safetensors, load_safetensors
@@ -239,9 +240,10 @@ def test_real_cuda_oom_in_discovery_and_the_step_down(monkeypatch, tmp_path):
                                                margin=margin, device_memory_gb=gb, use_cache=False, key_fields={})
     oom_sizes = [p["batch_size"] for p in record["probes"] if p["result"] == "OOM"]
     assert oom_sizes and found < min(oom_sizes), record["probes"]
-    total = torch.cuda.get_device_properties(CUDA).total_memory
-    prev = torch.cuda.get_per_process_memory_fraction(CUDA)
-    torch.cuda.set_per_process_memory_fraction(margin * gb * GiB / total, CUDA)
+    dev = compute_init("cuda")[4]  # cuda:<index>, as a script gets it (the memory-fraction API needs the index)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    prev = torch.cuda.get_per_process_memory_fraction(dev)
+    torch.cuda.set_per_process_memory_fraction(margin * gb * GiB / total, dev)
     try:
         model, _ = build(CUDA)
         big = max(oom_sizes)  # far over the cap even without optimizer state (none is allocated here)
@@ -256,7 +258,7 @@ def test_real_cuda_oom_in_discovery_and_the_step_down(monkeypatch, tmp_path):
         assert small < big and record["step_downs"] == [[7, big, small]] and log
         assert abs(loss - want) <= 1e-3 * want and rel(g, full_grads(model)) < 1e-3
     finally:
-        torch.cuda.set_per_process_memory_fraction(prev, CUDA)
+        torch.cuda.set_per_process_memory_fraction(prev, dev)
         torch.cuda.empty_cache()
 
 
