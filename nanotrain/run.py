@@ -304,16 +304,37 @@ def check_replicas(model):
     return sums[0].item()
 
 
-def step_log_line(step, total_steps, *, loss, grad_norm, lrm, dt, tokens, flops_per_token, peak_flops, world_size):
+class ETA:
+    """
+    The time left of a run, steady: the steps left times the mean wall time of this process's steps after its first
+    `skip` (compilation, warm-up and the first save make those slow; until then, the mean of every step but the
+    first), as nanochat's log estimates it from the mean step time rather than the last step's. update(step, dt)
+    takes the step just finished (1-based, of total_steps) and its seconds, and returns the seconds left (float).
+    """
+
+    def __init__(self, total_steps, skip=5):
+        self.total_steps, self.skip = total_steps, skip
+        self.seen, self.times = 0, []
+
+    def update(self, step, dt):
+        self.seen += 1
+        self.times.append(dt)
+        steady = self.times[self.skip:] or self.times[1:] or self.times
+        return (self.total_steps - step) * sum(steady) / len(steady)
+
+
+def step_log_line(step, total_steps, *, loss, grad_norm, lrm, dt, tokens, flops_per_token, peak_flops, world_size,
+                  eta_s=None):
     """
     The one-line log of optimizer step `step` of `total_steps` and its metrics row (a dict: step, loss, lrm, dt,
     tok_per_sec, mfu). loss: the global mean (float); grad_norm: float or None (not shown); lrm: the lr multiplier;
     dt: the step's wall time in seconds; tokens: the tokens of the step on all ranks; flops_per_token: training FLOPs
-    per token; peak_flops: one device's peak FLOP/s. Returns (line, row).
+    per token; peak_flops: one device's peak FLOP/s; eta_s: the seconds left (ETA.update), None: the steps left times
+    dt. Returns (line, row).
     """
     tok_per_sec = tokens / dt
     mfu = flops_per_token * tokens / dt / (peak_flops * world_size)
-    eta = (total_steps - step) * dt
+    eta = (total_steps - step) * dt if eta_s is None else eta_s
     gn = f" | grad norm {grad_norm:.3f}" if grad_norm is not None else ""
     line = (f"step {step:05d}/{total_steps:05d} ({100 * step / total_steps:.1f}%) | loss {loss:.6f}{gn} | "
             f"lrm {lrm:.3f} | dt {dt * 1000:.1f}ms | tok/s {tok_per_sec:,.0f} | mfu {100 * mfu:.1f}% | "

@@ -318,6 +318,7 @@ def main():
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0
     val_loss = None
     stop = False
+    eta = run.ETA(total_steps)  # the time left from the mean step time, not the last step's
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
@@ -393,7 +394,7 @@ def main():
         line, row = run.step_log_line(step, total_steps, loss=train_loss if count else float("nan"),
                                   grad_norm=None if grad_norm is None else grad_norm.item(), lrm=lrm, dt=dt,
                                   tokens=step_tokens, flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                  world_size=world_size)
+                                  world_size=world_size, eta_s=eta.update(step, dt))
         print0(f"{line} | targets {count} | micro-batches {len(batches)}")
         metrics.log(**row, tokens=tokens_seen, targets=count, micro_batches=len(batches), epoch=sampler.epoch)
 

@@ -254,6 +254,7 @@ def main():
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0
     val_bpb = None
     stop = False
+    eta = run.ETA(total_steps)  # the time left from the mean step time, not the last step's
     while True:
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
@@ -310,7 +311,7 @@ def main():
             train_time += dt
         line, row = run.step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
                                   tokens=total_batch_size, flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                  world_size=world_size)
+                                  world_size=world_size, eta_s=eta.update(step, dt))
         print0(line)
         metrics.log(**row, tokens=tokens_seen, epoch=train_stream.epoch)
 

@@ -238,6 +238,28 @@ def test_step_log_line_by_hand():
     assert line.startswith("step 00009/00010 (90.0%) | loss 2.500000 | lrm 0.750 |") and line.endswith("eta 0.2m")
 
 
+def test_eta_is_steady_through_a_slow_step():
+    """
+    run.ETA on 100 steps: a 30 s first step (compilation), then 1 s steps, one of them (step 12) 25 s (a save). By
+    hand: after step 3 the mean of steps 2-3 is 1 s, 97 s left; after step 12 the steps after the first 5 are six of
+    1 s and one of 25 s, mean 31/7 s, so 88 * 31 / 7 = 389.71 s left (the last step alone would say 88 * 25 = 2,200 s);
+    after step 50, 45 steps with one of 25 s: mean 69/45, 50 * 69 / 45 = 76.67 s. The log line prints it in minutes.
+    Catches an ETA from the last step's time (the jump the CPU recipe printed) and one that counts the first step.
+    """
+    from nanotrain.run import ETA, step_log_line
+
+    eta = ETA(100)
+    left = {}
+    for step in range(1, 51):
+        dt = 30.0 if step == 1 else 25.0 if step == 12 else 1.0
+        left[step] = eta.update(step, dt)
+    assert left[3] == pytest.approx(97.0)
+    assert left[12] == pytest.approx(88 * 31 / 7)
+    assert left[50] == pytest.approx(50 * 69 / 45)
+    kw = dict(loss=2.5, lrm=0.75, dt=25.0, tokens=24_000, flops_per_token=5e6, peak_flops=1e10, world_size=5)
+    assert step_log_line(12, 100, grad_norm=None, eta_s=left[12], **kw)[0].endswith("eta 6.5m")
+
+
 def test_precision_resolves_the_dtype_setting(monkeypatch):
     """
     --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as nanotrain.hardware.fast_bf16 finds), fp32 and

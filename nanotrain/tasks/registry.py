@@ -30,13 +30,6 @@ BENCHMARKS = ("arc_easy", "arc_challenge", "mmlu", "gsm8k", "humaneval")  # Chat
 HUB_SOURCES = ("gsm8k", "arc", "mmlu_aux", "smoltalk")  # mixture parts NAME (the hub) or NAME:PATH (a local copy)
 
 
-def get_task(name):
-    """The Task named `name` (a key of TASKS). Raises UserError naming the known tasks."""
-    if name not in TASKS:
-        raise UserError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
-    return TASKS[name]
-
-
 def grade(conversation, reply):
     """True when the reply (str) answers the conversation's last question, graded by the conversation's task (its
     "task" field); a conversation of no known task is graded on the last line (grade_last_line)."""
