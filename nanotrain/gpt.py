@@ -140,8 +140,8 @@ class GPT(nn.Module):
     embeddings), smear_gate and smear_lambda, backout_lambda, resid_lambdas and x0_lambdas ((n_layer,)); absent
     options are None. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
 
-    activation_checkpointing (attribute, set before DDP / torch.compile): "none" (default), "selective" or "full"
-    (True/False: "full"/"none"), for every block (nanotrain.recompute) of a training forward with grad and no KV
+    activation_checkpointing (attribute, set before DDP / torch.compile): "none" (default), "selective" or "full",
+    for every block (nanotrain.recompute) of a training forward with grad and no KV
     cache; same loss and gradients, less memory, more compute (not in estimate_flops). Not a config field.
     """
 

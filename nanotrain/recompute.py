@@ -21,7 +21,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from nanotrain.errors import UserError
 
 POLICIES = ("none", "selective", "full")  # cheapest in compute first
-LEGACY = {True: "full", False: "none", "True": "full", "False": "none"}  # the setting was a bool before
 # aten ops whose outputs "selective" keeps: the matmuls and the attention kernels (CPU, CUDA flash / efficient /
 # cuDNN, and the ops those call)
 SAVED_ATEN_OPS = frozenset({
@@ -34,16 +33,13 @@ SAVED_ATEN_OPS = frozenset({
 
 def policy_name(value, name="activation_checkpointing", allow_auto=False):
     """
-    The policy (one of POLICIES, or "auto" with allow_auto) of a setting's value: a policy name, or True/False (and
-    their text "True"/"False", as a str setting receives them) for "full"/"none", the meaning they had as a bool.
-    Raises UserError naming --<name> for anything else.
+    The policy (one of POLICIES, or "auto" with allow_auto) of a setting's value, a policy name. Raises UserError
+    naming --<name> for anything else.
     """
-    if isinstance(value, (bool, str)) and value in LEGACY:
-        return LEGACY[value]
     if value in POLICIES or (allow_auto and value == "auto"):
         return value
     allowed = "|".join(POLICIES + (("auto",) if allow_auto else ()))
-    raise UserError(f"--{name}={value!r}: expected {allowed} (True/False: full/none)")
+    raise UserError(f"--{name}={value!r}: expected {allowed}")
 
 
 def _keep_matmul_outputs(ctx, op, *args, **kwargs):

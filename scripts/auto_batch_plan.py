@@ -43,7 +43,7 @@ total_batch_size = 524288  # tokens per optimizer step, all ranks and micro-batc
 device_memory_gb = 80.0  # memory of the CUDA device to plan for, in GiB
 margin = 0.85  # fraction of the device memory the training step may use
 world_size = 1  # number of ranks (adds DDP's gradient buckets when > 1)
-activation_checkpointing = "none"  # none|selective|full|auto (True/False: full/none); auto: every policy and its pick
+activation_checkpointing = "none"  # none|selective|full|auto; auto: every policy and its pick
 config = configure(globals(), none_types={"depth": (int,)})
 
 

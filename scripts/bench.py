@@ -73,7 +73,7 @@ device_batch_size = 8  # rows per micro-batch
 total_batch_size = 4096  # tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len))
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
-activation_checkpointing = "none"  # none|selective|full (True/False: full/none), as base_train (nanotrain/recompute.py)
+activation_checkpointing = "none"  # none|selective|full, as base_train (nanotrain/recompute.py)
 compile_optimizer = None  # torch.compile the optimizer step (Muon's orthogonalisation, AdamW); None: as --compile
 device_type = ""  # cuda | mps | cpu; "" autodetects
 data = "builtin"  # training text, as in base_train

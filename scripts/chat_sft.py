@@ -122,7 +122,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model; None means on for CUDA (packed rows vary in length: recompiles, so off)
-activation_checkpointing = "none"  # none|selective|full (True/False: full/none), as base_train's; nanotrain/recompute.py
+activation_checkpointing = "none"  # none|selective|full, as base_train's; nanotrain/recompute.py
 # continual fine-tuning
 osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of each matrix's top singular directions frozen
 osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head

@@ -1,6 +1,6 @@
 """
-Activation checkpointing (GPT.activation_checkpointing, --activation_checkpointing=none|selective|full|auto, True/False
-for full/none; nanotrain.recompute): same loss and gradients under every policy, less memory (measured with the
+Activation checkpointing (GPT.activation_checkpointing, --activation_checkpointing=none|selective|full|auto;
+nanotrain.recompute): same loss and gradients under every policy, less memory (measured with the
 fake-tensor MemTracker probe of nanotrain.autobatch) in the order none > selective > full, selective recomputing no
 matmul FLOPs (counted), plan mode's estimate against a real CPU step per policy, a larger discovered device_batch_size
 under the same budget, a cache entry of its own, auto's choice, and the same losses in base_train.
@@ -70,11 +70,11 @@ class DetachedInput(torch.nn.Module):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("policy", [True, "selective"])
+@pytest.mark.parametrize("policy", ["full", "selective"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "doc_ids"])
 def test_same_loss_and_gradients(packed, policy):
     """
-    Checkpointed (full: True, and selective) and plain training steps give the same fp32 loss and gradients (max
+    Checkpointed (full and selective) and plain training steps give the same fp32 loss and gradients (max
     relative difference <= 1e-6 per parameter), with plain rows and with doc_ids packing (the block-diagonal mask and
     per-segment rotary positions must be the ones of the recomputation too). Catches a checkpoint wrapper that
     detaches the block input: its loss is identical but the gradients of the embedding and all lower blocks vanish;
@@ -131,7 +131,7 @@ def test_same_gradients_under_inductor():
     idx, targets, doc_ids = batch()
     model = tiny_model()
     loss0, g0 = loss_and_grads(model, model, idx, targets, doc_ids)
-    model.activation_checkpointing = True
+    model.activation_checkpointing = "full"
     torch._dynamo.reset()
     try:
         loss1, g1 = loss_and_grads(model, torch.compile(model, dynamic=False), idx, targets, doc_ids)
@@ -144,7 +144,7 @@ def test_same_gradients_under_inductor():
 @pytest.mark.unit
 def test_kv_cache_and_eval_are_not_checkpointed():
     """
-    With activation_checkpointing=True, a forward with a KV cache (here even in training mode with grad enabled)
+    With activation_checkpointing="full", a forward with a KV cache (here even in training mode with grad enabled)
     still fills and reads the cache: prefill + one decode step give the logits of the full forward, and eval/
     no_grad forwards equal the plain ones. Catches checkpointing that passes kv_cache=None to the blocks (the
     cache stays empty and the decode step sees no prefix).
@@ -153,7 +153,7 @@ def test_kv_cache_and_eval_are_not_checkpointed():
     idx, _, _ = batch()
     idx = idx[:1, :9]
     full = model(idx).detach()
-    model.activation_checkpointing = True
+    model.activation_checkpointing = "full"
     cache = KVCache(1, TINY.n_kv_head, model.head_dim, TINY.n_layer, 16, "cpu", torch.float32)
     prefill = model(idx[:, :8], kv_cache=cache)
     step = model(idx[:, 8:], kv_cache=cache)
@@ -175,9 +175,9 @@ def test_lower_peak_memory_same_batch():
     """
     config = config_from_depth(4, 512, 256)
     peaks = {ac: measure_fake_peak(gpt_builder(config, activation_checkpointing=ac), 8, max_seq_len=256,
-                                   vocab_size=512) for ac in (False, "selective", True)}
-    assert peaks[True] <= 0.65 * peaks[False], peaks
-    assert peaks[True] < peaks["selective"] <= 0.9 * peaks[False], peaks
+                                   vocab_size=512) for ac in ("none", "selective", "full")}
+    assert peaks["full"] <= 0.65 * peaks["none"], peaks
+    assert peaks["full"] < peaks["selective"] <= 0.9 * peaks["none"], peaks
 
 
 @pytest.mark.unit
@@ -235,15 +235,15 @@ def test_plan_estimate_matches_a_real_cpu_step(policy):
 
 
 @pytest.mark.unit
-def test_policy_names_and_the_old_bools():
-    """True/False (and their text, as a str setting receives it) keep their old meaning, full/none; the names pass;
-    auto only where allowed; anything else is one UserError line naming the flag."""
+def test_policy_names():
+    """The names pass; auto only where allowed; True/False (the setting's old bool meaning, removed) and anything else
+    is one UserError line naming the flag."""
     from nanotrain.errors import UserError
     from nanotrain.recompute import policy_name
-    assert [policy_name(v) for v in (True, False, "True", "False")] == ["full", "none", "full", "none"]
     assert [policy_name(v) for v in ("none", "selective", "full")] == ["none", "selective", "full"]
     assert policy_name("auto", allow_auto=True) == "auto"
-    for bad, kwargs in (("auto", {}), ("partial", {}), (1, {}), ("Selective", {"allow_auto": True})):
+    for bad, kwargs in (("auto", {}), ("partial", {}), (1, {}), ("Selective", {"allow_auto": True}), (True, {}),
+                        ("False", {})):
         with pytest.raises(UserError, match="--activation_checkpointing=.*expected none|selective|full"):
             policy_name(bad, **kwargs)
 
@@ -340,11 +340,11 @@ def test_discovery_finds_a_larger_batch_and_its_own_cache_entry(tmp_path, monkey
     args = dict(max_seq_len=64, vocab_size=512, total_batch_size=64 * 16, world_size=1, device="cpu",
                 margin=1.0, key_fields={}, log=lambda *a, **k: None)
     peak16 = {ac: measure_fake_peak(gpt_builder(config, activation_checkpointing=ac), 16, max_seq_len=64,
-                                    vocab_size=512) for ac in (False, True)}
-    assert peak16[False] > 1.01 * peak16[True]
-    gb = 1.005 * peak16[True] / GiB
+                                    vocab_size=512) for ac in ("none", "full")}
+    assert peak16["none"] > 1.01 * peak16["full"]
+    gb = 1.005 * peak16["full"] / GiB
     plain, rec_plain = discover_device_batch_size(gpt_builder(config), device_memory_gb=gb, **args)
-    ckpt, rec_ckpt = discover_device_batch_size(gpt_builder(config, activation_checkpointing=True),
+    ckpt, rec_ckpt = discover_device_batch_size(gpt_builder(config, activation_checkpointing="full"),
                                                 device_memory_gb=gb, **args)
     assert plain < 16 <= ckpt, (plain, ckpt)
     assert not rec_ckpt["cache_hit"] and rec_ckpt["cache_path"] != rec_plain["cache_path"]
@@ -361,15 +361,15 @@ def metrics(base_dir, run):
 @pytest.mark.slow  # the same gradients in process are in the default run (test_same_gradients_*)
 def test_base_train_same_losses(base_dir):
     """
-    base_train for 2 steps with --activation_checkpointing=True logs the losses of the plain run (relative 1e-6);
+    base_train for 2 steps with --activation_checkpointing=full logs the losses of the plain run (relative 1e-6);
     the checkpointed run discovers its batch size (--auto_batch_size=True, capped at the plain run's 4 rows) and
-    the discovery record's cache key says activation_checkpointing=True. Catches a script that never sets the flag
+    the discovery record's cache key says activation_checkpointing=full. Catches a script that never sets the flag
     on the model (the config says True, the model runs plain) or does not pass it to the probes, and any change of
     the training numerics.
     """
     args = [a for a in TINY_TRAIN if not a.startswith("--device_batch_size=")]
     runs = [[*TINY_TRAIN, "--run_name=plain"],
-            [*args, "--run_name=ac", "--activation_checkpointing=True", "--auto_batch_size=True", "--max_batch_size=4",
+            [*args, "--run_name=ac", "--activation_checkpointing=full", "--auto_batch_size=True", "--max_batch_size=4",
              "--device_memory_gb=4"]]
     with ThreadPoolExecutor(2) as pool:  # two single-threaded processes side by side
         results = list(pool.map(lambda a: run_script("base_train.py", *a, "--num_iterations=2", base_dir=base_dir),
@@ -421,7 +421,7 @@ def test_base_train_selective_and_auto(base_dir):
 
 @pytest.mark.smoke
 def test_mid_and_sft_take_the_same_policy_names(base_dir):
-    """mid_train and chat_sft read --activation_checkpointing as base_train does (none|selective|full, True/False):
+    """mid_train and chat_sft read --activation_checkpointing as base_train does (none|selective|full):
     a bad value is one line naming the flag and writes no run directory, in both. Catches a script whose setting is
     still a bool (the configurator would refuse 'selective') or that checks the value only once the model is built,
     after its run directory exists."""

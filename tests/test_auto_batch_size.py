@@ -712,7 +712,7 @@ KEY_ARGS = dict(key_fields={"model_config": {"n_layer": 4, "model_dim": 256}, "a
 @pytest.mark.unit
 @pytest.mark.parametrize("field,value", [
     ("key_fields", {"model_config": {"n_layer": 5, "model_dim": 256}, "activation_checkpointing": False}),
-    ("key_fields", {"model_config": {"n_layer": 4, "model_dim": 256}, "activation_checkpointing": True}),
+    ("key_fields", {"model_config": {"n_layer": 4, "model_dim": 256}, "activation_checkpointing": "full"}),
     ("max_seq_len", 512), ("vocab_size", 65536), ("amp_dtype", None), ("compile", False),
     ("devices", [{"type": "cuda", "name": "NVIDIA H200", "total_memory": 85045231616,
                   "budget_bytes": 85045231616}] * 8),

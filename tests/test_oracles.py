@@ -322,10 +322,10 @@ def test_sft_probe_model_is_the_rows_chat_sft_trains(packing):
     build = sft_builder(model.config, packing, weight_decay=0.0)
     assert build.key_fields["packing"] is packing and build.key_fields["optimizer_kwargs"] == {"weight_decay": 0.0}
     probe, optimizers = build("cpu")
-    assert probe.packing is packing and len(optimizers) == 2 and probe.model.activation_checkpointing is False
-    checkpointed = sft_builder(model.config, packing, activation_checkpointing=True)
-    assert checkpointed.key_fields["activation_checkpointing"] is True
-    assert checkpointed("cpu")[0].model.activation_checkpointing is True
+    assert probe.packing is packing and len(optimizers) == 2 and probe.model.activation_checkpointing == "none"
+    checkpointed = sft_builder(model.config, packing, activation_checkpointing="full")
+    assert checkpointed.key_fields["activation_checkpointing"] == "full"
+    assert checkpointed("cpu")[0].model.activation_checkpointing == "full"
     probe.model.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)

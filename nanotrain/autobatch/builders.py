@@ -12,19 +12,18 @@ from nanotrain.osft import DEFAULT_MATRICES, OSFT
 from nanotrain.recompute import policy_name
 
 
-def gpt_builder(model_config, *, activation_checkpointing=False, osft_rank_ratio=0.0, osft_matrices=DEFAULT_MATRICES,
+def gpt_builder(model_config, *, activation_checkpointing="none", osft_rank_ratio=0.0, osft_matrices=DEFAULT_MATRICES,
                 **optimizer_kwargs):
     """
     A build_probe(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
     FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it (a
-    nanotrain.recompute policy name, or True/False for full/none, kept as given in the model and the key), fresh
+    nanotrain.recompute policy name, checked, kept in the model and the key), fresh
     optimizers from setup_optimizers(**optimizer_kwargs), and with osft_rank_ratio > 0 the OSFT bases (allocated,
     not computed) and projection hooks, so the probed step holds what an OSFT step holds; advances torch's global
     RNG. It carries `key_fields` (GPT config, activation checkpointing, OSFT, optimizer arguments) for the cache
     key, so another model never hits its entry.
     """
-    policy_name(activation_checkpointing)  # checked here; a bool stays a bool (the model reads both)
-    policy = activation_checkpointing
+    policy = policy_name(activation_checkpointing)
 
     def build_probe(device):
         with torch.device(device):
@@ -60,7 +59,7 @@ class PackedRows(torch.nn.Module):
         return self.model(x.reshape(1, B * T), y.reshape(1, B * T), doc_ids=doc_ids)
 
 
-def sft_builder(model_config, packing, activation_checkpointing=False, **kwargs):
+def sft_builder(model_config, packing, activation_checkpointing="none", **kwargs):
     """build_probe(device) -> (PackedRows(GPT), [adamw, muon]) for chat_sft: gpt_builder's model (kwargs: its OSFT
     and optimizer arguments) wrapped in PackedRows; key_fields also hold `packing`."""
     build_gpt = gpt_builder(model_config, activation_checkpointing=activation_checkpointing, **kwargs)
