@@ -76,8 +76,8 @@ def make_cases(base, root):
     run = copy("truncated")  # every checkpoint cut short: nothing to fall back to
     for step in (1, 2):
         truncate(ckpt(base, run, step) / "model.pt")
-    damaged[run] = (f"cannot read the checkpoint {ckpt(base, run, 2)}: model.pt is truncated or not a torch.save file",
-                    "(and the 1 older checkpoint cannot be read either)")
+    damaged[run] = (f"cannot read the checkpoint {ckpt(base, run, 2)}: model.pt is not a plain tensor "
+                    f"file: truncated, damaged", "(and the 1 older checkpoint cannot be read either)")
     for script, args in (CHAT_CLI, EXPORT):
         cases[f"truncated-{script}"] = (script, [*args, f"--run_name={run}"], base, 2, damaged[run])
 
@@ -86,8 +86,8 @@ def make_cases(base, root):
         f.write(random.Random(0).randbytes(4096))
     for script, args in (SAMPLE, CHAT_EVAL):
         cases[f"garbage-{script}"] = (script, [*args, f"--run_name={run}", "--step=2"], base, 2,
-                                      (f"cannot read the checkpoint {ckpt(base, run, 2)}: model.pt is truncated or not "
-                                       f"a torch.save file",))
+                                      (f"cannot read the checkpoint {ckpt(base, run, 2)}: model.pt is not a plain "
+                                       f"tensor file: truncated, damaged",))
 
     run = copy("pickle")  # a pickle planted in both checkpoints: a plain pickle and torch.save's zip archive of it
     with open(ckpt(base, run, 2) / "model.pt", "wb") as f:
@@ -95,14 +95,14 @@ def make_cases(base, root):
     torch.save(Planted(root / "marker"), ckpt(base, run, 1) / "model.pt")
     for script, args in (CHAT_CLI, CHAT_EVAL, SAMPLE, EXPORT):
         cases[f"pickle-{script}"] = (script, [*args, f"--run_name={run}"], base, 2, (
-            f"cannot read the checkpoint {ckpt(base, run, 2)}: model.pt is not a plain tensor file (it holds arbitrary "
-            f"Python objects); refusing to load it", "(and the 1 older checkpoint cannot be read either)"))
+            f"cannot read the checkpoint {ckpt(base, run, 2)}: model.pt is not a plain tensor file: truncated, "
+            f"damaged, or holding arbitrary Python objects; refusing to load it", "(and the 1 older checkpoint cannot be read either)"))
 
     run = copy("fallback")  # the newest cut short, the older one fine: used, and said so
     truncate(ckpt(base, run, 2) / "model.pt")
     cases["fallback"] = (SAMPLE[0], [*SAMPLE[1], f"--run_name={run}"], base, 0, (
         f"warning: loaded the older checkpoint {ckpt(base, run, 1)}: the newer one cannot be read: "
-        f"step_000002/model.pt is truncated or not a torch.save file",))
+        f"step_000002/model.pt is not a plain tensor file: truncated, damaged",))
 
     run = copy("no_model_config")
     for step in (1, 2):
