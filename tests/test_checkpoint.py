@@ -152,7 +152,7 @@ def test_resume_refuses_when_no_checkpoint_can_be_read(tmp_path, capsys):
         f.truncate(100)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the reason is in the one error line, not in warnings before it
-        with pytest.raises(UserError, match="none of the 1 checkpoints.*newest: .*model.pt is truncated.*"
+        with pytest.raises(UserError, match="none of the 1 checkpoints.*newest: .*model.pt is not a plain tensor file: truncated.*"
                                             "--resume=False") as info:
             resume_checkpoint(str(tmp_path), "cpu")
     assert "\n" not in str(info.value)

@@ -320,7 +320,7 @@ def test_only_checkpoint_corrupt_refuses_to_resume_then_starts_over_on_request(r
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert len(errors) == 1 and "--resume=True" in errors[0] and "--resume=False" in errors[0], errors
-    assert "step_000005" in errors[0] and "model.pt is truncated" in errors[0], errors
+    assert "step_000005" in errors[0] and "model.pt is not a plain tensor file: truncated" in errors[0], errors
     assert len([ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("Overriding: ")]) == 1
     assert runs["fresh_files"] == runs["fresh_before"]
     over = runs["fresh_over"]
