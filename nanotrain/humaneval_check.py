@@ -4,14 +4,17 @@ code + the problem's test + check(entry_point), and reads its exit status; here 
 - the untrusted half, the prompt's imports + the reply's code, runs in nanotrain.execution's sandbox (same limits as
   nanochat: 5 s, 256 MB), followed by a small server that calls the function the test asks for and writes back
   repr(("ok", result)) or the name of the exception it raised, one line per call;
-- the trusted half runs the problem's test and check(entry_point) in a process of its own that never executes model
+- the test's half runs the problem's test and check(entry_point) in a process of its own that never executes model
   code: the prompt (benchmark text: the helpers some tests use, such as poly or encode_cyclic, come from it), then the
-  test, then check() with a candidate that forwards each call across a pipe. Arguments and results cross as text and
+  test, then check() with a candidate that forwards each call across a pipe. It runs in a sandbox of its own too
+  (run_program: another throwaway uid, or another bubblewrap namespace), because the test and the prompt come from a
+  data file (the hub's current revision, a local --data copy) that is not always the sha256-verified pinned set: a
+  `test` field that writes files or reads /root can do so only inside that sandbox, never with the grader's rights. Arguments and results cross as text and
   are read back by a literal-only parser (ast.literal_eval's grammar plus nan, inf, set(), frozenset(...) and
   range(...)), so no object the program made, with a rigged __eq__ or otherwise, ever reaches the test's asserts; a
   result that is an iterator (a generator, map, filter) crosses as its items and is an iterator again on the trusted
   side, so that tuple(candidate(x)) passes and candidate(x) == [...] fails as in nanochat. The verdict is that
-  process's exit status: 0 only when check() returned.
+  process's exit status and last line: 0 and PASSED only when check() returned.
 The program never sees the test or a token it could print: exiting early, printing from an atexit hook, an
 excepthook or a thread, or tracing around check() can only lose. A result that is not a literal (a custom object, a
 value whose repr fails) is a failed call, as is a reply too long, late or missing. Where this differs from nanochat on
@@ -25,10 +28,6 @@ mounted; with no isolation nothing is kept from it. A local copy (--data=/path) 
 
 import os
 import stat
-import subprocess
-import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from nanotrain.common import get_base_dir, print0
@@ -36,12 +35,13 @@ from nanotrain.execution import isolation, reachable_by_others, run_program
 
 MAX_REPLY_BYTES = 4 * 2**20  # the longest result line the trusted side reads; longer is a failed call
 
-# The trusted side: `python -I -S -c CHECKER to_program_fd from_program_fd`, the job (prompt, test, entry_point,
-# timeout_s) as JSON on stdin. Exit status 0 and "PASSED" only when check(candidate) returned.
+# The test's side, run in a sandbox of its own (run_program): CHECKER_JOB's two pipe fds and the job (prompt, test,
+# entry_point, timeout_s) as JSON, then CHECKER. Exit status 0 and "PASSED" only when check(candidate) returned.
+CHECKER_JOB = "_FDS = ({to_program}, {from_program})\n_JOB = {job!r}\n"
 CHECKER = r"""
 import ast, json, math, os, select, sys, time
-to_program, from_program = int(sys.argv[1]), int(sys.argv[2])
-job = json.load(sys.stdin)
+to_program, from_program = _FDS
+job = json.loads(_JOB)
 deadline = time.monotonic() + job["timeout_s"]
 MAX_REPLY = job["max_reply_bytes"]
 
@@ -163,9 +163,9 @@ def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_by
     """
     Whether `program` (str: the prompt's imports and the reply's code, nanochat's program without its test) passes
     the HumanEval test `test` (str defining check(candidate)) for the function `entry_point`, `prompt` (str) being
-    the problem's prompt (trusted: run on the trusted side for the helpers the test uses). The program runs in
-    run_program's sandbox with timeout_s seconds and memory_bytes of address space; the test in a trusted process
-    that gets only literals from it (see the module docstring). Returns a bool; a program that fails, hangs, crashes
+    the problem's prompt (run on the test's side for the helpers the test uses). The program runs in run_program's
+    sandbox with timeout_s seconds and memory_bytes of address space; the test in a sandbox of its own that gets only
+    literals from the program (see the module docstring). Returns a bool; a program that fails, hangs, crashes
     or answers something that is not a literal gives False. Raises what run_program raises (UserError when there is
     no isolation and unsafe code is not allowed). Thread-safe.
     """
@@ -173,37 +173,22 @@ def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_by
     calls_r, calls_w = os.pipe()
     answers_r, answers_w = os.pipe()
     job = json.dumps({"prompt": prompt, "test": test, "entry_point": entry_point, "timeout_s": timeout_s,
-                      "max_reply_bytes": MAX_REPLY_BYTES}).encode("utf-8")
-    start = time.monotonic()
-    try:
-        with tempfile.TemporaryFile() as verdict:
-            try:
-                checker = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHECKER, str(calls_w), str(answers_r)],
-                                           stdin=subprocess.PIPE, stdout=verdict, stderr=subprocess.DEVNULL,
-                                           env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                                           pass_fds=(calls_w, answers_r), start_new_session=True)
-            finally:
-                os.close(calls_w)
-                os.close(answers_r)
-            try:
-                checker.stdin.write(job)
-                checker.stdin.close()
-            except BrokenPipeError:
-                pass
-            fds, calls_r, answers_w = (calls_r, answers_w), None, None  # run_program closes them
-            run_program(program + SERVE.format(calls=fds[0], answers=fds[1]), timeout_s=timeout_s,
-                        memory_bytes=memory_bytes, pass_fds=fds)
-            try:
-                returncode = checker.wait(timeout=max(0.0, start + timeout_s + 1.0 - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                checker.kill()
-                returncode = checker.wait()
-            verdict.seek(0)
-            return returncode == 0 and verdict.read().splitlines()[-1:] == [b"PASSED"]
-    finally:
-        for fd in (calls_r, answers_w):
-            if fd is not None:
+                      "max_reply_bytes": MAX_REPLY_BYTES})
+    checker = CHECKER_JOB.format(to_program=calls_w, from_program=answers_r, job=job) + CHECKER
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the two sandboxes at once: they talk over the pipes
+        try:
+            verdict = pool.submit(run_program, checker, timeout_s=timeout_s + 1.0, memory_bytes=memory_bytes,
+                                  pass_fds=(calls_w, answers_r))
+        except BaseException:
+            for fd in (calls_r, calls_w, answers_r, answers_w):
                 os.close(fd)
+            raise
+        try:
+            run_program(program + SERVE.format(calls=calls_r, answers=answers_w), timeout_s=timeout_s,
+                        memory_bytes=memory_bytes, pass_fds=(calls_r, answers_w))
+        finally:
+            result = verdict.result()
+    return result.passed and result.stdout.splitlines()[-1:] == ["PASSED"]
 
 
 def hide_answer_key():

@@ -75,3 +75,20 @@ def test_stalls_and_crashes_fail_in_time(body, timeout_s, limit_s):
     start = time.monotonic()
     assert grade_humaneval([(conv, f"{PROMPT}    {body}\n")], timeout_s=timeout_s) == [False]
     assert time.monotonic() - start < limit_s
+
+
+def test_the_test_field_runs_sandboxed_not_with_the_graders_rights(tmp_path):
+    """
+    A HumanEval row whose `test` (data, not model output: the hub's current revision or a local --data copy) writes a
+    file into the grader's own temporary directory and lists /root before defining check(): the file is never
+    written and the reply fails, while the same row with an honest test still passes. Catches the test run in a
+    process with the grader's rights (the old trusted checker: the file written, as root, and the reply passed).
+    """
+    marker = tmp_path / "written_by_the_test"
+    hostile = (f"open({str(marker)!r}, 'w').write('x')\nimport os\nos.listdir('/root')\n\n\n"
+               f"def check(candidate):\n    assert candidate(1) == 2\n")
+    honest = "\n\ndef check(candidate):\n    assert candidate(1) == 2\n"
+    reply = "def f(*args):\n    return args[0] + 1\n"
+    convs = [dict(conversation("pass"), test=hostile), dict(conversation("pass"), test=honest)]
+    assert grade_humaneval([(c, reply) for c in convs]) == [False, True]
+    assert not marker.exists()
