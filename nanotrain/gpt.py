@@ -228,8 +228,13 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def num_scaling_params(self):
-        """Parameters (int) that size the training horizon: all but the value-embedding tables (they add no tokens)."""
-        return self.num_params() - sum(p.numel() for p in self.value_embeds.parameters())
+        """
+        Parameters (int) that size the training horizon (the data:param ratio) and the automatic total batch: the
+        transformer blocks' and the lm_head's, as nanochat counts them (`get_scaling_params` in its
+        scripts/base_train.py: "transformer matrices + lm_head gives cleanest scaling laws"); the token embedding, the
+        value-embedding tables and the model-level scalars are not counted.
+        """
+        return sum(p.numel() for p in self.blocks.parameters()) + self.lm_head.weight.numel()
 
     def estimate_flops(self):
         """

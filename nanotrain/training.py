@@ -94,6 +94,34 @@ def lr_multiplier(step, total_steps, warmup_ratio=0.0, warmdown_ratio=0.2, final
     return progress + (1 - progress) * final_lr_frac
 
 
+B_REF = 2**19  # tokens per step of the reference run (nanochat's d12 optimum, measured there)
+BATCH_EXPONENT = 0.383  # Power Lines: the optimal total batch grows as the horizon to this power
+
+
+def auto_total_batch_size(horizon_tokens, ref_horizon_tokens):
+    """
+    The automatic total batch size in tokens (--total_batch_size=-1), nanochat's rule (scripts/base_train.py at
+    92d63d4): 2^round(log2(B_REF * (D / D_ref)^0.383)), D the run's training horizon in tokens (the data:param ratio
+    times GPT.num_scaling_params), D_ref the same horizon of the depth-12 model (nanochat's reference, where B_REF =
+    2^19 tokens was measured optimal). The exponent is the Power Lines fit (Bergsma et al. 2025, "Power Lines: Scaling
+    Laws for Weight Decay and Batch Size in LLM Pre-training", arXiv:2505.13738). Returns an int power of two.
+    """
+    return 2 ** round(math.log2(B_REF * (horizon_tokens / ref_horizon_tokens) ** BATCH_EXPONENT))
+
+
+def hparam_transfer_scales(total_batch_size, horizon_tokens, ref_horizon_tokens):
+    """
+    How the reference run's learning rates and weight decay move to a run of total_batch_size tokens per step and a
+    horizon of horizon_tokens (nanochat's transfer from d12): every lr times sqrt(B / B_REF) (the square-root rule for
+    Adam-type optimizers; Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms"), and
+    the Muon weight decay times sqrt(B / B_REF) * (D_ref / D), which keeps the AdamW timescale tau = B / (lr * wd * D)
+    constant (Wang & Aitchison 2024, "How to set AdamW's weight decay as you scale model and dataset size",
+    arXiv:2405.13698). Returns (lr_scale, weight_decay_scale), floats.
+    """
+    lr_scale = math.sqrt(total_batch_size / B_REF)
+    return lr_scale, lr_scale * ref_horizon_tokens / horizon_tokens
+
+
 def muon_weight_decay_for(model_dim):
     """
     The default Muon (cautious) weight decay of a model of width `model_dim`: 0.4 up to model_dim 512, then shrinking

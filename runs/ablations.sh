@@ -14,7 +14,9 @@ export NANOTRAIN_BASE_DIR="${NANOTRAIN_BASE_DIR:-$HOME/.cache/nanotrain}"
 DEPTH="${DEPTH:-4}"
 STEPS="${STEPS:-100}"
 BASE="--depth=$DEPTH --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096 --num_iterations=$STEPS \
---eval_every=100 --eval_tokens=32768 --sample_every=-1 --save_every=-1"
+--eval_every=100 --eval_tokens=32768 --sample_every=-1 --save_every=-1 \
+--hparam_transfer=False --matrix_lr=0.03 --embedding_lr=0.2 --unembedding_lr=0.004 --muon_weight_decay=0.4 \
+--lr_warmup_steps=0"  # the CPU recipe's values (runs/cpu.sh), which the rows change one at a time
 declare -A ROW=(  # row name -> the flags that change its technique from the default (off when on, on when off)
     [defaults]=""
     [value_embeds]="--value_embeds=False"
@@ -33,7 +35,7 @@ declare -A ROW=(  # row name -> the flags that change its technique from the def
     [momentum_warmup]="--momentum_warmup=0"
     [nanochat_momentum]="--momentum=0.97 --momentum_warmup=400 --final_momentum=0.90"
     [adamw]="--weight_decay=0 --embedding_beta2=0.95 --unembedding_beta2=0.95"
-    [lr_warmup]="--warmup_ratio=0.1"
+    [lr_warmup]="--lr_warmup_steps=40"
     [lr_batch_scaling]="--matrix_lr=0.002652 --embedding_lr=0.01768 --unembedding_lr=0.0003536 --scalar_lr=0.04419"
     [grad_clip]="--grad_clip=0"
 )

@@ -24,9 +24,12 @@ python scripts/tok_train.py --vocab_size=4096
 #    cannot be reached the recipe goes on without them)
 GOLD_BPB=--gold_bpb_every=400
 python -m nanotrain.gold_bpb || GOLD_BPB=--gold_bpb_every=-1
+#    This recipe's own optimizer values (tuned at depth 4 on CPU; base_train's defaults are nanochat's GPU recipe):
+CPU_RECIPE="--hparam_transfer=False --matrix_lr=0.03 --embedding_lr=0.2 --unembedding_lr=0.004 \
+    --muon_weight_decay=0.4 --lr_warmup_steps=0"
 python scripts/base_train.py --run_name=$RUN --depth=4 --max_seq_len=256 --device_batch_size=8 \
     --total_batch_size=4096 --num_iterations=400 --eval_every=100 --eval_tokens=32768 \
-    --sample_every=200 --save_every=100 $GOLD_BPB
+    --sample_every=200 --save_every=100 $CPU_RECIPE $GOLD_BPB
 
 # 4. sample from the trained model
 python scripts/sample.py --run_name=$RUN --prompt="The return value of the function is" --max_tokens=48

@@ -40,7 +40,7 @@ from nanotrain.downloads import rank0_first
 from nanotrain.errors import UserError
 from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
-from nanotrain.gpt import build_model, config_from_depth
+from nanotrain.gpt import GPT, build_model, config_from_depth
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.optim import adamw_lr_scale, compile_optimizer_step, setup_optimizers
@@ -64,24 +64,26 @@ rotary_base = 10000.0  # > 0: base of the rotary position frequencies
 qk_scale = 1.0  # > 0: scale of the attention logits on top of 1/sqrt(head_dim)
 # batch
 device_batch_size = None  # >= 1: rows per micro-batch per device; None: discovered (auto_batch_size) or 32
-total_batch_size = 524288  # >= 1: tokens per optimizer step, all ranks and micro-batches together
+total_batch_size = -1  # >= 1: tokens per optimizer step, all ranks and micro-batches together; -1: from the horizon
 auto_batch_size = False  # discover the largest device_batch_size that fits (only grad_accum_steps changes)
 batch_size_margin = 0.85  # (0, 1]: fraction of device memory the training step may use (bytes, not batch units)
 batch_size_cache = True  # reuse discoveries from <base_dir>/auto_batch_cache
 device_memory_gb = None  # > 0: device memory budget in GiB; None: the GPU's memory, or half the available RAM on CPU
 max_batch_size = None  # >= 1: upper bound for discovered device_batch_size (None: no bound)
-# training horizon: num_iterations if set, else target_param_data_ratio * params tokens
-num_iterations = None  # >= 0: optimizer steps; None derives it from target_param_data_ratio
-target_param_data_ratio = 20  # > 0: tokens per parameter (Chinchilla) when num_iterations is None
+# training horizon: num_iterations if set, else target_flops if > 0, else target_param_data_ratio * scaling params
+num_iterations = None  # >= 0: optimizer steps; None derives them from target_flops or target_param_data_ratio
+target_flops = -1.0  # > 0: training FLOPs of the run (steps = target_flops / (flops per token * total_batch_size))
+target_param_data_ratio = 12  # > 0: tokens per scaling parameter (nanochat's default; the speedrun record uses 8)
+hparam_transfer = True  # lrs x sqrt(B/2^19), Muon weight decay x sqrt(B/2^19) * D_ref/D (training.hparam_transfer_scales)
 # optimizer
-matrix_lr = 0.03  # >= 0: Muon lr of the transformer blocks' matrices
-embedding_lr = 0.2  # >= 0: AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
-unembedding_lr = 0.004  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
+matrix_lr = 0.02  # >= 0: Muon lr of the transformer blocks' matrices
+embedding_lr = 0.3  # >= 0: AdamW lr of the token embedding (scaled by (model_dim/768)**-0.5)
+unembedding_lr = 0.008  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/768)**-0.5)
 scalar_lr = 0.5  # >= 0: AdamW lr of the learned scalars (x0_lambdas; resid_lambdas get 1/100 of it, smear/backout 0.4)
 weight_decay = 0.01  # >= 0: AdamW weight decay (embeddings, lm_head; decays with the lr)
 embedding_beta2 = 0.995  # [0, 1): AdamW beta2 of the token and value embeddings
 unembedding_beta2 = 0.96  # [0, 1): AdamW beta2 of the lm_head
-muon_weight_decay = None  # >= 0: Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
+muon_weight_decay = 0.28  # >= 0: Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
 muon_beta2 = 0.0  # [0, 1): NorMuon: EMA factor of the update's per-row variance (0 turns it off)
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
@@ -89,7 +91,7 @@ momentum = 0.95  # [0, 1): Muon's momentum after its warmup
 momentum_warmup = 300  # >= 0: steps of Muon's linear momentum warmup from 0.85 (0: none)
 final_momentum = None  # [0, 1): Muon's momentum at the last step, reached linearly over the lr warmdown; None: no decay
 grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
-warmup_ratio = 0.0  # [0, 1]: fraction of the steps with a linear lr warmup
+lr_warmup_steps = 40  # >= 0: optimizer steps of linear lr warmup (nanochat's 40)
 warmdown_ratio = 0.65  # [0, 1]: fraction of the steps at the end with a linear lr decay to final_lr_frac
 final_lr_frac = 0.05  # [0, 1]: lr multiplier at the last step
 # evaluation, sampling, checkpoints (-1 turns each off, except at the end of the run)
@@ -141,9 +143,35 @@ def main():
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_from_depth(depth, vocab_size, max_seq_len, value_embeds=value_embeds, smear=smear,
                                      backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale)
+
+    # ------------------------------------------------------------------------- horizon, total batch, lr and wd transfer
+    # nanochat's recipe: the horizon D = target_param_data_ratio x scaling parameters (blocks + lm_head) in tokens,
+    # D_ref the same for depth 12 (where the defaults were tuned, at 2^19 tokens per step); total_batch_size=-1 picks
+    # the batch from D / D_ref; the lrs and Muon's weight decay then move with the batch and the horizon
+    with torch.device("meta"):
+        horizon = int(target_param_data_ratio * GPT(model_config).num_scaling_params())
+        ref_config = config_from_depth(12, vocab_size, max_seq_len, value_embeds=value_embeds, smear=smear,
+                                       backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale)
+        ref_horizon = target_param_data_ratio * GPT(ref_config).num_scaling_params()
+    total_batch_size = total_batch_size_flag = config["total_batch_size"]
+    if total_batch_size == -1:
+        total_batch_size = training.auto_total_batch_size(horizon, ref_horizon)
+    lr_scale, wd_scale = (training.hparam_transfer_scales(total_batch_size, horizon, ref_horizon) if hparam_transfer
+                          else (1.0, 1.0))
+    matrix_lr, embedding_lr, unembedding_lr, scalar_lr = (config[k] * lr_scale for k in (
+        "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"))
     muon_wd = config["muon_weight_decay"]
-    if muon_wd is None:  # 0.4, shrinking with the width squared above model_dim 512
+    if muon_wd is None:  # 0.4, shrinking with the width squared above model_dim 512 (not transferred)
         muon_wd = training.muon_weight_decay_for(model_config.model_dim)
+    else:
+        muon_wd *= wd_scale
+    config["total_batch_size"] = total_batch_size  # config.json keeps the size used, a resume checks it
+    config["recipe"] = {"total_batch_size": total_batch_size, "automatic": total_batch_size != total_batch_size_flag,
+                        "horizon_tokens": horizon, "ref_horizon_tokens": ref_horizon, "lr_scale": lr_scale,
+                        "weight_decay_scale": wd_scale, "muon_weight_decay": muon_wd}
+    print0(f"Recipe: total batch {total_batch_size:,} tokens ({'automatic' if config['recipe']['automatic'] else 'given'}"
+           f"), horizon {horizon:,} tokens (depth-12 reference {ref_horizon:,.0f}), lrs x {lr_scale:.4f}, Muon weight "
+           f"decay {muon_wd:.4f} (x {wd_scale:.4f})")
     train_files = resolve_data_files(data, "train")  # before anything is written: bad --data leaves no trace
     val_files = resolve_data_files(data, "val")
     # the downstream evaluations' data before anything is written: offline, one line and no run directory
@@ -225,8 +253,10 @@ def main():
     # ------------------------------------------------------------------------- horizon
     if num_iterations is not None:
         total_steps = num_iterations
+    elif target_flops > 0:  # the FLOPs of the run: steps of flops_per_token x total_batch_size each
+        total_steps = max(1, round(target_flops / (flops_per_token * total_batch_size)))
     else:
-        total_steps = max(1, int(target_param_data_ratio * model.num_scaling_params()) // total_batch_size)
+        total_steps = max(1, horizon // total_batch_size)
 
     # ------------------------------------------------------------------------- data
     # each rank reads its own share of the documents; the loader's position is part of every checkpoint
@@ -336,7 +366,8 @@ def main():
         stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
         training.check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
-        lrm = training.lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
+        lrm = training.lr_multiplier(step, total_steps, min(1.0, lr_warmup_steps / total_steps), warmdown_ratio,
+                                     final_lr_frac)
         mom = training.muon_momentum(step, warmup_steps=momentum_warmup, start=0.85, end=momentum,
                                      total_steps=total_steps, warmdown_ratio=warmdown_ratio, final=final_momentum)
         grad_norm = training.optimizer_step(orig_model, optimizers, lrm, mom, grad_clip)

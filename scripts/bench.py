@@ -103,7 +103,7 @@ qk_scale = 1.0  # scale of the attention logits on top of 1/sqrt(head_dim)
 weight_decay = 0.01  # AdamW weight decay (embeddings, lm_head; decays with the lr)
 embedding_beta2 = 0.995  # AdamW beta2 of the token and value embeddings
 unembedding_beta2 = 0.96  # AdamW beta2 of the lm_head
-muon_weight_decay = None  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
+muon_weight_decay = 0.28  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
 muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
 config = configure(globals(), none_types={"muon_weight_decay": (float,), "compile_optimizer": (bool,)})

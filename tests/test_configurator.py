@@ -160,7 +160,7 @@ def test_learning_rates_and_optimizer_settings_in_range(capsys, arg, expected):
 @pytest.mark.parametrize("arg,expected", [
     ("--device_batch_size=0", "--device_batch_size=0: expected an int >= 1, or None (see --help)"),
     ("--device_batch_size=[4]", "--device_batch_size=[4]: expected an int >= 1, or None (see --help)"),
-    ("--total_batch_size=0", "--total_batch_size=0: expected an int >= 1"),
+    ("--total_batch_size=0", "--total_batch_size=0: expected an int >= 1, or -1 (-1: from the training horizon (base_train))"),
     ("--max_seq_len=-1", "--max_seq_len=-1: expected an int >= 1"),
     ("--depth=0", "--depth=0: expected an int >= 1"),
     ("--num_iterations=0", "--num_iterations=0: expected an int >= 1, or None (see --help)"),

@@ -74,8 +74,9 @@ def test_param_count_depth20_with_the_options():
     (blocks 1, 3, .., 19) of 65,536 x 1,280; their gates 10 x (12 x 10 heads); resid and x0 lambdas 2 x 20; the smear
     gate 12 and smear_lambda 1; backout_lambda 1. The FLOPs add only the gates' matmuls: 6 x (1,200 + 12). Catches
     value embeddings on every block (or on the wrong half), tables of model_dim on a GQA model, and counting a
-    lookup table as matmul FLOPs. num_scaling_params is the literal 560,989,414: fails on one that also leaves out
-    the gates (560,988,214) or leaves out nothing (1,399,850,214).
+    lookup table as matmul FLOPs. num_scaling_params (nanochat's: the blocks and the lm_head) is the literal
+    477,103,280: fails on all-but-the-tables (560,989,414), on one that leaves out the gates (477,102,080) or that
+    counts the token embedding too (560,989,360).
     """
     with torch.device("meta"):
         model = GPT(config_from_depth(20, 65536, 2048, smear=True, backout=True, x0_lambdas=True))
@@ -86,9 +87,9 @@ def test_param_count_depth20_with_the_options():
     with torch.device("meta"):
         v1 = GPT(config_from_depth(20, 65536, 2048, **V1))
     assert model.estimate_flops() - v1.estimate_flops() == 6 * (1200 + 12)
-    # all but the 10 value-embedding tables, counted by hand (not as num_params() minus the tables, the expression
-    # num_scaling_params is written with): 560,988,160 + 1,200 gate weights + 40 lambdas + 12 + 1 + 1 = 560,989,414
-    assert model.num_scaling_params() == 560_989_414
+    # the blocks and the lm_head, counted by hand: 20 x 12 x 1,280^2 matrices + the 1,200 value-embedding gate weights
+    # (in the blocks) + the lm_head 65,536 x 1,280 = 393,216,000 + 1,200 + 83,886,080 = 477,103,280
+    assert model.num_scaling_params() == 477_103_280
 
 
 def test_bad_config_raises():

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import CPU_RECIPE, run_script
 
 pytestmark = pytest.mark.smoke
 
@@ -60,7 +60,7 @@ def cell_args(script, nproc, accum, name):
             f"--save_every={CUT}", f"--eval_every={STEPS}", "--keep_last=0", "--ns_dtype=float32",
             "--dtype=float32"]
     if script == "base_train":  # (mid and sft have no Muon weight decay)
-        return [*args, "--depth=2", "--max_seq_len=64", "--total_batch_size=512", "--eval_tokens=512",
+        return [*args, *CPU_RECIPE, "--depth=2", "--max_seq_len=64", "--total_batch_size=512", "--eval_tokens=512",
                 "--sample_every=-1", "--muon_weight_decay=0"]
     if script == "mid_train":
         return [*args, f"--base_run_name={run_name('base_train', 1, 1)}", f"--tasks={TASKS}", "--total_batch_size=512",
