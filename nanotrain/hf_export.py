@@ -155,8 +155,8 @@ def hf_model(model):
     fields = dict(vars(getattr(model, "module", model).config))
     for name in NOT_IMPLEMENTED:
         if fields.pop(name, False):
-            raise UserError(f"--format=hf: the checkpoint was trained with {name}=True, an option the transformers "
-                            f"export does not implement; export it with --format=safetensors")
+            raise UserError(f"the checkpoint was trained with {name}=True, an option the transformers export does "
+                            f"not implement (scripts/export.py --format=safetensors exports it)")
     config = NanotrainConfig(**fields)
     out = NanotrainForCausalLM(config)
     state = clean_state_dict(model.state_dict())

@@ -286,8 +286,8 @@ def test_options_the_export_does_not_implement_are_refused(tok, tmp_path):
         m.init_weights()
         with pytest.raises(UserError) as err:
             export_hf(m, tok, str(tmp_path / name))
-        assert str(err.value) == (f"--format=hf: the checkpoint was trained with {name}=True, an option the "
-                                  f"transformers export does not implement; export it with --format=safetensors")
+        assert str(err.value) == (f"the checkpoint was trained with {name}=True, an option the transformers export "
+                                  f"does not implement (scripts/export.py --format=safetensors exports it)")
         assert os.listdir(tmp_path) == []
     from nanotrain.hf_modeling import NanotrainConfig
     with pytest.raises(ValueError, match="backout=True is not implemented"):
