@@ -80,7 +80,10 @@ def timed(device, fn):
 def main():
     require_transformers()
     from transformers import AutoModelForCausalLM
-    sizes = [int(b) for b in batch_sizes.split(",") if b]
+    try:
+        sizes = [int(b) for b in str(batch_sizes).split(",") if b]
+    except ValueError:
+        sizes = []
     if not sizes or min(sizes) < 1 or max_tokens < 1 or reps < 1:
         raise UserError(f"--batch_sizes={batch_sizes!r}, --max_tokens={max_tokens}, --reps={reps}: expected "
                         f"positive integers (batch sizes comma-separated)")
