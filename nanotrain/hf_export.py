@@ -148,9 +148,16 @@ def hf_tokenizer(tokenizer):
 def hf_model(model):
     """A nanotrain.hf_modeling.NanotrainForCausalLM holding the weights of `model` (a GPT, possibly wrapped by
     torch.compile / DDP), fp32 on the CPU, in eval mode; its config's eos_token_id is [<|assistant_end|>, <|bos|>]
-    when a tokenizer is passed to export_hf."""
-    from nanotrain.hf_modeling import NanotrainConfig, NanotrainForCausalLM
-    config = NanotrainConfig(**vars(getattr(model, "module", model).config))
+    when a tokenizer is passed to export_hf. Raises UserError (one line naming the option) for a GPT built with
+    smear, backout or x0_lambdas: options that lost the project's ablation (dev/LOG.md, "The ablation table in one
+    stack") and that the transformers modeling file does not implement."""
+    from nanotrain.hf_modeling import NOT_IMPLEMENTED, NanotrainConfig, NanotrainForCausalLM
+    fields = dict(vars(getattr(model, "module", model).config))
+    for name in NOT_IMPLEMENTED:
+        if fields.pop(name, False):
+            raise UserError(f"the checkpoint was trained with {name}=True, an option the transformers export does "
+                            f"not implement (scripts/export.py --format=safetensors exports it)")
+    config = NanotrainConfig(**fields)
     out = NanotrainForCausalLM(config)
     state = clean_state_dict(model.state_dict())
     out.load_state_dict({k: v.detach().to("cpu", out.state_dict()[k].dtype) for k, v in state.items()}, strict=True)

@@ -12,7 +12,8 @@ AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) and AutoTokeni
 With --verify=True (default) the export is loaded back and its logits on a fixed token row are compared with the
 checkpoint model's: identical for a float32 safetensors export, within 1e-5 for a float32 hf export (another
 implementation of the same maths), within bf16 rounding for bfloat16 (the difference is printed); an hf export also
-checks that its tokenizer encodes a probe text to the project's ids.
+checks that its tokenizer encodes a probe text to the project's ids. A checkpoint trained with smear, backout or
+x0_lambdas has no hf export (one line naming the option); --format=safetensors exports it.
 """
 
 import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)

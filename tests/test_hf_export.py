@@ -1,8 +1,10 @@
 """
 The Hugging Face transformers export (nanotrain/hf_export.py, nanotrain/hf_modeling.py, scripts/export.py
 --format=hf): a tiny GPT with every architecture option on, trained a few steps, exported and loaded back through
-AutoModelForCausalLM / AutoTokenizer from its directory, gives the project's fp32 logits (to 1e-5), Engine's greedy
-tokens, tiktoken's ids and the project's chat rendering. Skipped where transformers is not installed.
+AutoModelForCausalLM / AutoTokenizer from its directory, gives the project's fp32 logits (to 1e-5) under each of
+transformers' attention implementations, Engine's greedy tokens (generate, and continuous batching in the slow tier),
+tiktoken's ids and the project's chat rendering; a checkpoint with an option the export does not implement is
+refused. Skipped where transformers is not installed.
 """
 
 import json
@@ -32,11 +34,11 @@ TRICKY = ["Hello, world! It's 2024.\n\n  naïve café 日本語 x=12345; ok?\r\n
           "we'll they've I'M DON'T 3.14159 1000000", "\n\n\n\t \t", "émoji 🙂 mixed ÅÄÖ ß", "a" * 40 + " " + "ab" * 20]
 
 
-def config(vocab_size, n_layer=3):
-    """Every option on: GQA (4 query heads, 2 kv heads), value embeddings, smear, backout, x0/resid lambdas, a
-    rotary base and a qk_scale other than their defaults."""
+def config(vocab_size, n_layer=3, **options):
+    """Every option the export implements on: GQA (4 query heads, 2 kv heads), value embeddings, a rotary base and a
+    qk_scale other than their defaults; options: GPTConfig fields to override."""
     return GPTConfig(max_seq_len=64, vocab_size=vocab_size, n_layer=n_layer, n_head=4, n_kv_head=2, model_dim=32,
-                     value_embeds=True, smear=True, backout=True, x0_lambdas=True, rotary_base=1000.0, qk_scale=1.25)
+                     value_embeds=True, rotary_base=1000.0, qk_scale=1.25, **options)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,17 +72,26 @@ def model(tok):
     return m.eval()
 
 
-@pytest.fixture(scope="module")
-def exported(model, tok, tmp_path_factory):
-    """(directory, the transformers model, the transformers tokenizer), loaded back from a local directory with the
-    hub offline (huggingface_hub reads HF_HUB_OFFLINE at import, so its constant is set too)."""
+def load(path, **kwargs):
+    """AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs) in eval mode, with the hub offline
+    (huggingface_hub reads HF_HUB_OFFLINE at import, so its constant is set too)."""
     import huggingface_hub.constants
-    path = str(tmp_path_factory.mktemp("hf") / "export")
-    export_hf(model, tok, path)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("HF_HUB_OFFLINE", "1")
         m.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        hf = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kwargs).eval()
+
+
+@pytest.fixture(scope="module")
+def exported(model, tok, tmp_path_factory):
+    """(directory, the transformers model, the transformers tokenizer), loaded back offline from a local directory."""
+    import huggingface_hub.constants
+    path = str(tmp_path_factory.mktemp("hf") / "export")
+    export_hf(model, tok, path)
+    hf = load(path)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("HF_HUB_OFFLINE", "1")
+        m.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
         return path, hf, AutoTokenizer.from_pretrained(path)
 
 
@@ -94,37 +105,53 @@ def rows_for(tok):
     return torch.tensor([tok.encode("".join(SENTENCES[i:] + SENTENCES[:i]), prepend="<|bos|>")[:40] for i in range(3)])
 
 
-@pytest.mark.unit
-def test_logits_equal_full_cached_and_padded(exported, model, tok, monkeypatch):
-    """
-    fp32 logits of the exported model equal GPT's to 1e-5: the full forward of 3 rows, a prefill of 17 tokens
-    followed by one-token and 5-token steps through the transformers KV cache, and a left-padded batch (each row equal
-    to that row alone). Catches, each run below as a wrong variant that must fail: rotary with the interleaved
-    pairing (x[2i], x[2i+1]) instead of the two halves, the softcap forgotten, the value-embedding gate off (a
-    constant 1), the smear's previous embedding lost between cached steps, and positions of a padded row counted
-    from the padding (they must count its tokens only); a wrong GQA grouping, or qk_scale / rotary_base / backout /
-    the lambdas ignored or misplaced also change the logits by far more than 1e-5. (QK norm before rotary is not
-    wrong: the RMS over the head dim is unchanged by the rotation.)
-    """
-    _, hf, _ = exported
-    idx = rows_for(tok)
+# attn_implementation values whose plain forward is checked; "paged|eager" builds its causal mask only inside
+# continuous batching (transformers 5.24 has no mask function for it, for any model), so it is checked there
+# (test_continuous_batching_equals_engine, slow tier)
+ATTENTION = ["eager", "sdpa", "paged|sdpa"]
+
+
+def max_diffs(hf, model, idx):
+    """The largest |logit difference| against `model` (a GPT) of `hf` on the rows idx (B, 40): (full forward, a
+    prefill of 17 tokens then 1-, 1-, 5- and 16-token steps through the transformers KV cache, a batch of row 0 and
+    row 1's first 25 tokens left-padded to 40)."""
     with torch.no_grad():
         ref = model(idx)
-        assert (hf(idx).logits - ref).abs().max().item() <= 1e-5
+        full = (hf(idx).logits - ref).abs().max().item()
         out = hf(idx[:, :17], use_cache=True)
         cache, steps = out.cache, [out.logits]
         for lo, hi in [(17, 18), (18, 19), (19, 24), (24, 40)]:
             out = hf(idx[:, lo:hi], cache=cache, use_cache=True)
             steps.append(out.logits)
-        assert (torch.cat(steps, dim=1) - ref).abs().max().item() <= 1e-5
-        short = idx[1:2, :25]  # left-padded to 40 next to a full row
-        padded = torch.cat([torch.zeros(1, 15, dtype=torch.long), short], dim=1)
-        batch = torch.cat([idx[:1], padded])
+        cached = (torch.cat(steps, dim=1) - ref).abs().max().item()
+        short = idx[1:2, :25]
+        batch = torch.cat([idx[:1], torch.cat([torch.zeros(1, 15, dtype=torch.long), short], dim=1)])
         mask = torch.cat([torch.ones(1, 40), torch.cat([torch.zeros(1, 15), torch.ones(1, 25)], dim=1)]).long()
         got = hf(batch, attention_mask=mask).logits
-        assert (got[0] - ref[0]).abs().max().item() <= 1e-5
-        assert (got[1, 15:] - model(short)[0]).abs().max().item() <= 1e-5
+        padded = max((got[0] - ref[0]).abs().max().item(), (got[1, 15:] - model(short)[0]).abs().max().item())
+    return full, cached, padded
 
+
+@pytest.mark.unit
+def test_logits_equal_under_each_attention_implementation(exported, model, tok, monkeypatch):
+    """
+    fp32 logits of the exported model equal GPT's to 1e-5 under attn_implementation eager, sdpa and paged|sdpa (each
+    loaded from the directory with it): the full forward of 3 rows, cached steps of 1 to 16 tokens, and a left-padded
+    batch (each row equal to that row alone). Catches, each run below as a wrong variant that must fail: rotary with
+    the interleaved pairing (x[2i], x[2i+1]) instead of the two halves, the softcap forgotten, the value-embedding
+    gate off (a constant 1), and positions of a padded row counted from the padding (they must count its tokens
+    only); eager attention with kv heads repeated in the wrong order for GQA, qk_scale left out of the attention's
+    scaling, or a mask that lets a query see later keys or padding also change the logits by far more than 1e-5.
+    (QK norm before rotary is not wrong: the RMS over the head dim is unchanged by the rotation.)
+    """
+    path, hf, _ = exported
+    idx = rows_for(tok)
+    assert hf.config._attn_implementation == "sdpa"  # transformers' default where the model supports it
+    for impl in ATTENTION:
+        loaded = load(path, attn_implementation=impl)
+        assert max(max_diffs(loaded, model, idx)) <= 1e-5, impl
+    with torch.no_grad():
+        ref = model(idx)
     mod = hf_module(hf)
 
     def interleaved(x, cos, sin):
@@ -142,23 +169,48 @@ def test_logits_equal_full_cached_and_padded(exported, model, tok, monkeypatch):
             if block.attn.ve_gate is not None:
                 m.setattr(block.attn.ve_gate, "forward", lambda x, n=block.attn.n_kv_head: x.new_zeros(*x.shape[:-1], n))
         assert (hf(idx).logits - ref).abs().max().item() > 1e-3, "value-embedding gate off"
-    with torch.no_grad():  # the smear's previous embedding lost: a fresh cache at the decode step
-        out = hf(idx[:, :17], use_cache=True)
-        fresh = type(out.cache)()
-        for layer in out.cache.layers[:model.config.n_layer]:
-            fresh.update(layer.keys, layer.values, len(fresh.layers))
-        step = hf(idx[:, 17:18], cache=fresh, use_cache=True).logits
-        assert (step[:, 0] - ref[:, 17]).abs().max().item() > 1e-3, "smear state lost"
-        assert (got[1, 15:] - hf(padded).logits[0, 15:]).abs().max().item() > 1e-3, "positions from the padding"
+    with torch.no_grad():  # the padded row without its mask: positions counted from the padding
+        short = idx[1:2, :25]
+        padded = torch.cat([torch.zeros(1, 15, dtype=torch.long), short], dim=1)
+        assert (hf(padded).logits[0, 15:] - model(short)[0]).abs().max().item() > 1e-3, "positions from the padding"
+
+
+@pytest.mark.unit
+def test_attention_goes_through_the_interface(exported, model, tok, monkeypatch):
+    """
+    An attention function registered with transformers' AttentionInterface under a new name (as vLLM's transformers
+    backend registers its own) runs every block's attention, once per block per forward, receives the keyword
+    arguments given to the model's forward, and its results are the logits (equal to GPT's to 1e-5). Catches a
+    modeling file that does its own attention and ignores attn_implementation (the logits tests would pass for it),
+    one that keeps the forward's keyword arguments from the attention (continuous batching's cu_seq_lens and cache
+    indices travel that way), and a model without _supports_attention_backend.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
+    path, _, _ = exported
+    calls = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module.layer_idx, kwargs.get("probe_marker")))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "nanotrain_probe", probe)
+    hf = load(path, attn_implementation="nanotrain_probe")
+    assert type(hf)._supports_attention_backend
+    idx = rows_for(tok)
+    with torch.no_grad():
+        got = hf(idx, probe_marker=7).logits
+        assert (got - model(idx)).abs().max().item() <= 1e-5
+    assert calls == [(i, 7) for i in range(model.config.n_layer)]
 
 
 @pytest.mark.unit
 def test_greedy_generate_equals_engine(exported, model, tok):
     """
     transformers' generate (greedy, its KV cache, eos = <|assistant_end|> / <|bos|>) gives Engine's greedy tokens for 3
-    prompts of different lengths, one at a time and as one left-padded batch. Catches a cache that loses the smear
-    state or restarts rotary positions at 0 on every decode step (each changes these continuations; the cached logits
-    themselves are checked in test_logits_equal_full_cached_and_padded), and padding that shifts a short prompt's
+    prompts of different lengths, one at a time and as one left-padded batch. Catches a cache that restarts
+    rotary positions at 0 on every decode step (it changes these continuations; the cached logits themselves are
+    checked in test_logits_equal_under_each_attention_implementation), and padding that shifts a short prompt's
     positions in the batch.
     """
     _, hf, _ = exported
@@ -179,6 +231,68 @@ def test_greedy_generate_equals_engine(exported, model, tok):
     mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     assert [cut(r) for r in out[:, n:].tolist()] == want
+
+
+@pytest.mark.slow  # continuous batching starts a scheduler thread and sizes a paged cache: ~1 s per
+# implementation here; the default tier keeps the plain forward under each implementation and generate
+@pytest.mark.unit
+def test_continuous_batching_equals_engine(exported, model, tok):
+    """
+    transformers' continuous batching (generate_batch, greedy, max_new_tokens 12, a paged cache of 32-token pages)
+    on the export, with attn_implementation sdpa and paged|eager, gives Engine's greedy tokens for 4 prompts of
+    different lengths decoded together, and each generated token's log-probability equals the project GPT's
+    log-softmax at that position to 1e-5 (so the logits under paged|eager, which has no mask outside continuous
+    batching, are the project's). Catches positions taken from the cache length instead of the per-token
+    position_ids (the prompts are packed into one row), the forward's keyword arguments not passed down to
+    cache.update and the attention (the paged cache then has no read/write indices), and logits_to_keep indices
+    ignored (logits of the wrong tokens).
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    path, _, _ = exported
+    prompts = [tok.encode(s, prepend="<|bos|>") for s in ["The cat", "What is 12 + 30? It", "Hello there, how",
+                                                          "Numbers like 2024 and"]]
+    want = Engine(model, tok).generate(prompts, max_tokens=12)
+    stops = {tok.get_bos_token_id(), tok.encode_special("<|assistant_end|>")}
+    for impl in ["sdpa", "paged|eager"]:
+        hf = load(path, attn_implementation=impl)
+        gen = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=sorted(stops),
+                               pad_token_id=hf.generation_config.pad_token_id)
+        cb = ContinuousBatchingConfig(num_blocks=16, page_size=32, max_batch_tokens=128, max_requests_per_batch=4,
+                                      return_logprobs=True)
+        results = list(hf.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                                         warmup=False).values())
+        assert len(results) == len(prompts), impl
+        for p, w, r in zip(prompts, want, results):
+            got = next((r.generated_tokens[:i] for i, t in enumerate(r.generated_tokens) if t in stops),
+                       r.generated_tokens)
+            assert got == w, impl
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([p + got]))[0], dim=-1)
+            ref = [logp[len(p) - 1 + i, t].item() for i, t in enumerate(got)]
+            assert max(abs(a - b) for a, b in zip(ref, r.logprobs)) <= 1e-5, impl
+
+
+@pytest.mark.unit
+def test_options_the_export_does_not_implement_are_refused(tok, tmp_path):
+    """
+    A GPT trained with smear, backout or x0_lambdas (options that lost the project's ablation, not implemented by
+    the modeling file) is refused by export_hf with one UserError line naming the option, before anything is
+    written; the modeling file's config refuses them too. Catches an export that silently drops the option (its
+    logits would differ from the checkpoint's) or writes a directory first.
+    """
+    for name in ("smear", "backout", "x0_lambdas"):
+        torch.manual_seed(0)
+        m = GPT(config(tok.get_vocab_size(), n_layer=2, **{name: True}))
+        m.init_weights()
+        with pytest.raises(UserError) as err:
+            export_hf(m, tok, str(tmp_path / name))
+        assert str(err.value) == (f"the checkpoint was trained with {name}=True, an option the transformers export "
+                                  f"does not implement (scripts/export.py --format=safetensors exports it)")
+        assert os.listdir(tmp_path) == []
+    from nanotrain.hf_modeling import NanotrainConfig
+    with pytest.raises(ValueError, match="backout=True is not implemented"):
+        NanotrainConfig(backout=True)
+    assert not hasattr(NanotrainConfig(smear=False), "smear")
 
 
 @pytest.mark.unit
@@ -254,7 +368,7 @@ def test_round_trip_every_option(exported, model, tok, tmp_path):
     The directory holds config.json with every GPTConfig field, model.safetensors with the GPT's own parameter names
     (every tensor torch.equal after the load), modeling_nanotrain.py and the tokenizer files, and nothing else
     (no temporary copy beside it). A 2-layer export (value embeddings on the other parity of blocks) and a bfloat16
-    export load too. Catches a field lost on the way (e.g. smear or qk_scale back at its default), a dropped or renamed
+    export load too. Catches a field lost on the way (e.g. value_embeds or qk_scale back at its default), a dropped or renamed
     tensor, a config that ties lm_head to wte, and stop tokens other than Engine's.
     """
     path, hf, _ = exported
@@ -264,7 +378,8 @@ def test_round_trip_every_option(exported, model, tok, tmp_path):
     with open(os.path.join(path, "tokenizer_config.json")) as f:
         assert json.load(f)["tokenizer_class"] == "PreTrainedTokenizerFast"
     for field, value in vars(model.config).items():
-        assert getattr(hf.config, field) == value, field
+        if field not in hf_module(hf).NOT_IMPLEMENTED:  # options the export refuses (all False here)
+            assert getattr(hf.config, field) == value, field
     theirs, ours = hf.state_dict(), model.state_dict()
     assert sorted(theirs) == sorted(ours)
     assert all(torch.equal(theirs[k], ours[k]) for k in ours)
@@ -362,7 +477,8 @@ def test_missing_transformers_is_one_line(monkeypatch):
 def test_export_script_hf_offline(base_dir, model, tok):
     """
     scripts/export.py --format=hf on a saved checkpoint, with HF_HUB_OFFLINE=1: writes the directory, loads it back
-    through the Auto classes and prints its verification line; a bad --format is one line and a non-zero exit.
+    through the Auto classes and prints its verification line; a bad --format, and a checkpoint trained with backout
+    (an option the export does not implement), are one line and a non-zero exit.
     """
     save_checkpoint(str(base_dir / "base" / "t"), 1, model, [], {"model_config": vars(model.config),
                                                                  "tokenizer_sha256": tok.fingerprint()}, {})
@@ -372,3 +488,12 @@ def test_export_script_hf_offline(base_dir, model, tok):
     assert os.path.isfile(base_dir / "base" / "t" / "export" / "hf" / "modeling_nanotrain.py")
     r = run_script("export.py", "--format=onnx", base_dir=base_dir)
     assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].endswith("expected 'safetensors' or 'hf'")
+    torch.manual_seed(0)
+    backout = GPT(config(tok.get_vocab_size(), n_layer=2, backout=True))
+    backout.init_weights()
+    save_checkpoint(str(base_dir / "base" / "b"), 1, backout, [], {"model_config": vars(backout.config),
+                                                                   "tokenizer_sha256": tok.fingerprint()}, {})
+    r = run_script("export.py", "--source=base", "--run_name=b", "--format=hf", base_dir=base_dir,
+                   env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode != 0 and "backout=True" in r.stderr.strip().splitlines()[-1]
+    assert not os.path.exists(base_dir / "base" / "b" / "export")
