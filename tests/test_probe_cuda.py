@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from cuda_standin import GiB, MiB, cuda_standin_fixture, device_of, install  # noqa: F401 - the fixture
-from helpers import tiny_model
 
 import nanotrain.autobatch.probe as ab_probe
 from nanotrain.autobatch.search import discover_device_batch_size
@@ -338,14 +337,3 @@ def test_environment_report_on_cuda(cuda_standin, monkeypatch):
     from nanotrain.report import system_info
     assert system_info()["device"] == "1 x NVIDIA H100 80GB HBM3"
 
-
-def test_training_wraps_in_ddp_only_for_more_than_one_process(one_rank_mesh):
-    """training.wrap_ddp: the model itself for world size 1, a DistributedDataParallel for 2 (gloo). Catches one
-    process wrapped in DDP (its gradient buckets unmeasured by the probes, a compiled graph split at bucket
-    boundaries) and several processes left unwrapped (gradients never averaged)."""
-    from nanotrain.training import wrap_ddp
-    model = tiny_model()
-    assert wrap_ddp(model, torch.device("cpu"), 1) is model
-    wrapped = wrap_ddp(model, torch.device("cpu"), 2)
-    assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and wrapped.module is model
-    assert wrapped.device_ids is None
