@@ -337,3 +337,52 @@ def test_environment_report_on_cuda(cuda_standin, monkeypatch):
     from nanotrain.report import system_info
     assert system_info()["device"] == "1 x NVIDIA H100 80GB HBM3"
 
+
+
+# ----------------------------------------------------------------------------- the budget where /proc or CUDA is missing
+
+MEMINFO = "MemTotal:       33554432 kB\nMemFree:          524288 kB\n{}Cached:          1048576 kB\n"
+
+
+def fake_meminfo(monkeypatch, text):
+    """/proc/meminfo, as the probe module reads it, holds `text` (None: the file cannot be read)."""
+    import io
+
+    def fake_open(path, *args, **kwargs):
+        if path != "/proc/meminfo":
+            return open(path, *args, **kwargs)
+        if text is None:
+            raise FileNotFoundError(path)
+        return io.StringIO(text)
+    monkeypatch.setattr(ab_probe, "open", fake_open, raising=False)
+
+
+@pytest.mark.parametrize("meminfo", [None, MEMINFO.format("")])
+def test_budget_falls_back_to_the_physical_memory_without_memavailable(monkeypatch, meminfo):
+    """Without /proc/meminfo, or without its MemAvailable line (old kernels), the CPU budget is half of the physical
+    memory from sysconf: 2,097,152 pages of 4096 B = 8 GiB, so 4 GiB; without sysconf either, a one-line UserError
+    naming --device_memory_gb. Catches a reader that returns 0 or None where sysconf answers, or a crash."""
+    fake_meminfo(monkeypatch, meminfo)
+    table = {"SC_PHYS_PAGES": 2_097_152, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: table[name])
+    assert ab_probe.device_memory_budget("cpu")[0] == 4 * GiB
+
+    def no_sysconf(name):
+        raise ValueError(f"unrecognized configuration name {name}")
+    monkeypatch.setattr(os, "sysconf", no_sysconf)
+    with pytest.raises(UserError, match=r"^cannot read this machine's memory size \(/proc/meminfo, sysconf\); pass "
+                                        r"--device_memory_gb$"):
+        ab_probe.device_memory_budget("cpu")
+
+
+@pytest.mark.parametrize("ranks, want", [(1, 3 * GiB), (2, 1 * GiB)])
+def test_mps_budget_is_capped_at_metals_recommended_memory(monkeypatch, ranks, want):
+    """On MPS the budget is also capped at torch.mps.recommended_max_memory() (3 GiB here) per local rank: with
+    16 GiB available, half is 8 GiB, the cap 3 GiB; two ranks get min(4, 1.5) GiB, rounded down to 1 GiB. Catches
+    the cap left out, not divided among the ranks, or applied on the CPU."""
+    fake_meminfo(monkeypatch, MEMINFO.format("MemAvailable:   16777216 kB\n"))
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 3 * GiB, raising=False)
+    budget, desc = ab_probe.device_memory_budget("mps", None, local_world_size=ranks)
+    assert (budget, desc["type"]) == (want, "mps")
+    assert desc["source"] == f"0.5 x MemAvailable / {ranks} local rank(s)"
+    assert ab_probe.device_memory_budget("cpu", None, local_world_size=ranks)[0] == 8 * GiB // ranks
