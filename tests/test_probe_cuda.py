@@ -2,13 +2,12 @@
 The CUDA-only branches that run without a card, against tests/cuda_standin.py (torch.cuda stood in for, with torch's
 contracts: the memory-fraction API refuses a CUDA device without an index): the real probe's entry, measurement,
 clean-up and exit (nanotrain/autobatch/probe.py), the discovery on CUDA, the memory budget, the out-of-memory
-step-down on the allocator's OOM, compute_init's device, the environment report (scripts/gpu_check.py env_info,
-nanotrain.report.system_info).
+step-down on the allocator's OOM, compute_init's device; and the budget's CPU fallbacks and MPS cap. The environment
+report's CUDA branch is in tests/test_gpu_check_inprocess.py (this file runs under the mutation tool, whose copy has
+no scripts/).
 """
 
-import importlib.util
 import os
-import sys
 from contextlib import nullcontext
 
 import pytest
@@ -26,7 +25,6 @@ from nanotrain.training import forward_backward, micro_batches
 
 pytestmark = pytest.mark.unit
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAM_BYTES, STATE_BYTES, ROW_BYTES = 1 * GiB, 2 * GiB, 256 * MiB  # the stand-in device's bytes of the tiny model
 
 
@@ -314,29 +312,6 @@ def test_step_down_on_the_allocators_oom_keeps_the_rows_and_frees_the_failed_ste
     assert step_down.device_batch_size == 4 and model.calls == [8, 4, 4, 4, 4]
     assert torch.equal(loss, forward_backward(ref, micro_batches(x, y, 4), nullcontext()))
     assert cuda_standin.allocated == 2 * PARAM_BYTES and cuda_standin.ooms == 1
-
-
-# ----------------------------------------------------------------------------- the environment report
-
-def load_gpu_check(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", os.path.join(REPO, "scripts", "gpu_check.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_environment_report_on_cuda(cuda_standin, monkeypatch):
-    """gpu_check's env step and the report's system line on a CUDA machine: the card's name, memory, capability and
-    its datasheet bf16 peak (989 TFLOP/s for an H100). Catches a CUDA branch that reads the CPU's fields or a peak
-    that is measured instead of looked up for a known card."""
-    env = load_gpu_check(monkeypatch).env_info()
-    assert env["cuda_available"] and env["device_count"] == 1 and env["device_name"] == "NVIDIA H100 80GB HBM3"
-    assert env["total_memory_bytes"] == 8 * GiB and env["capability"] == [9, 0]
-    assert env["bf16_peak_flops"] == 989e12 and env["bf16_peak_source"] == "NVIDIA H100 80GB HBM3 bf16 dense datasheet peak"
-    from nanotrain.report import system_info
-    assert system_info()["device"] == "1 x NVIDIA H100 80GB HBM3"
-
 
 
 # ----------------------------------------------------------------------------- the budget where /proc or CUDA is missing

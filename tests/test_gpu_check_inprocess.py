@@ -1,6 +1,7 @@
 """
-The GPU check ends a step's whole process tree (scripts/gpu_check.py, Check.run): a worker that moved to a process
-session of its own (as torchrun's workers do) is ended whether the step exits or times out.
+Parts of the GPU check (scripts/gpu_check.py) run in this process: it ends a step's whole process tree (Check.run: a
+worker that moved to a process session of its own, as torchrun's workers do, is ended whether the step exits or
+times out); its environment report on CUDA (env_info, and nanotrain.report.system_info) against tests/cuda_standin.py.
 """
 
 import importlib.util
@@ -10,6 +11,7 @@ import sys
 import time
 
 import pytest
+from cuda_standin import GiB, cuda_standin_fixture  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.unit
 
@@ -87,3 +89,17 @@ def test_marked_pids_finds_only_the_steps_processes(monkeypatch):
         for p in (mine, other):
             p.kill()
             p.wait()
+
+
+# ----------------------------------------------------------------------------- the environment report
+
+def test_environment_report_on_cuda(cuda_standin, monkeypatch):
+    """gpu_check's env step and the report's system line on a CUDA machine: the card's name, memory, capability and
+    its datasheet bf16 peak (989 TFLOP/s for an H100). Catches a CUDA branch that reads the CPU's fields or a peak
+    that is measured instead of looked up for a known card."""
+    env = load_gpu_check(monkeypatch).env_info()
+    assert env["cuda_available"] and env["device_count"] == 1 and env["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert env["total_memory_bytes"] == 8 * GiB and env["capability"] == [9, 0]
+    assert env["bf16_peak_flops"] == 989e12 and env["bf16_peak_source"] == "NVIDIA H100 80GB HBM3 bf16 dense datasheet peak"
+    from nanotrain.report import system_info
+    assert system_info()["device"] == "1 x NVIDIA H100 80GB HBM3"
