@@ -14,8 +14,8 @@ and torch/cuda/__init__.py):
   caching allocator's message. max_memory_reserved/max_memory_allocated are peaks since reset_peak_memory_stats.
 - torch.Generator(device="cuda...") and torch.randint(..., device="cuda...") give CPU ones: the tensors underneath
   are CPU tensors (device_of(x) maps a CUDA device to the CPU for builders).
-Every call is recorded in `calls` as (function name, device argument), so a test can check that each device carried
-its index.
+Every call is recorded in `calls` as (function name, device argument), torch.randint's too, so a test can check
+that each device carried its index.
 """
 
 import types
@@ -185,6 +185,7 @@ def install(monkeypatch, **kwargs):
             return generator(device=device_of(device))
 
     def cpu_randint(*args, device=None, **kw):
+        standin.calls.append(("randint", device))
         return randint(*args, device=None if device is None else device_of(device), **kw)
 
     monkeypatch.setattr(torch, "Generator", CpuGenerator)

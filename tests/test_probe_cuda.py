@@ -91,9 +91,11 @@ def script_device():
 
 
 def all_indexed(standin):
-    """The device arguments of every recorded torch.cuda call that takes one: each carries its index."""
+    """The device arguments of every recorded torch.cuda call that takes one, and of torch.randint: each is CUDA with
+    its index."""
     devices = [d for name, d in standin.calls if name != "empty_cache"]
-    return devices and all(isinstance(d, int) or torch.device(d).index is not None for d in devices)
+    return bool(devices) and all(isinstance(d, int) or (d is not None and torch.device(d).type == "cuda"
+                                                        and torch.device(d).index is not None) for d in devices)
 
 
 # ----------------------------------------------------------------------------- the stand-in keeps torch's contracts
@@ -139,10 +141,11 @@ def test_real_probe_enters_measures_and_exits_on_cuda(cuda_standin, given):
     A probe on the device a script gets (and on a bare "cuda", which the probe indexes itself): entry caps the
     allocator at the fraction and takes the baseline; the peak of a step is the reserved peak, parameters (1 GiB) +
     optimizer state (2 GiB) + the activations of one micro-batch (256 MiB a row), at B=1 and B=4 alike; exit restores
-    the fraction, the weights bitwise and empties the cache; every torch.cuda call got an indexed device.
+    the fraction, the weights bitwise and empties the cache; every torch.cuda call and the synthetic tokens got the
+    indexed device; the global RNG is not drawn from.
     Catches: the entry reading the baseline before it is set (AttributeError on every CUDA probe), an index-less device
     reaching the memory-fraction API (ValueError), a peak from memory_allocated or without a reset between probes
-    (B=1 would report B=4's peak), a fraction not restored.
+    (B=1 would report B=4's peak), a fraction not restored, tokens made on the host or from the global RNG.
     """
     device = script_device() if given == "script" else "cuda"
     cuda_standin.fraction = 0.9
@@ -152,7 +155,9 @@ def test_real_probe_enters_measures_and_exits_on_cuda(cuda_standin, given):
     with probe:
         assert cuda_standin.fraction == 0.5 and probe.baseline == PARAM_BYTES
         weights = [p.detach().clone() for p in built[0].parameters()]
+        rng = torch.get_rng_state()
         assert probe.measure(4) == (PARAM_BYTES + STATE_BYTES + 4 * ROW_BYTES, False, False)
+        assert torch.equal(torch.get_rng_state(), rng)  # the probe's tokens come from its own generator
         assert probe.measure(1) == (PARAM_BYTES + STATE_BYTES + ROW_BYTES, False, False)
         assert built[0].calls == [4, 4, 4, 1, 1, 1]  # two micro-steps, the optimizer step, one more: each probe
         assert torch.cuda.memory_allocated(0) == PARAM_BYTES  # optimizer state and activations dropped
@@ -160,6 +165,7 @@ def test_real_probe_enters_measures_and_exits_on_cuda(cuda_standin, given):
     assert all(torch.equal(a, b) for a, b in zip(weights, built[0].parameters()))
     assert cuda_standin.reserved == cuda_standin.allocated == PARAM_BYTES
     assert all_indexed(cuda_standin), cuda_standin.calls
+    assert sum(name == "randint" for name, _ in cuda_standin.calls) == 12  # inputs and targets, 3 micro-steps, 2 probes
 
 
 def test_a_probe_that_runs_out_of_memory_is_cleaned_up_and_the_next_one_measures_alone(cuda_standin):
@@ -238,15 +244,17 @@ def test_memory_left_allocated_after_a_probe_is_reported_past_the_threshold(monk
     assert logs == ([expected] if warns else [])
 
 
-@pytest.mark.parametrize("foreign, warns", [(0.05 * 8 * GiB, False), (0.05 * 8 * GiB + 1, True)])
-def test_memory_used_outside_the_allocator_is_reported_on_entry(cuda_standin, foreign, warns):
-    """Device memory used by others (CUDA context, other processes) above 5% of the device is reported on entry, in
-    this exact line. Catches a foreign estimate that counts this process's reserved memory or another threshold."""
-    cuda_standin.foreign = int(foreign)
+@pytest.mark.parametrize("foreign, warns", [(512 * MiB, False), (512 * MiB + 1, True)])
+def test_memory_used_outside_the_allocator_is_reported_on_entry(monkeypatch, foreign, warns):
+    """Device memory used by others (CUDA context, other processes) above 5% of the device (512 MiB of 10 GiB) is
+    reported on entry, in this exact line; exactly 5% is not. Catches a foreign estimate that counts this process's
+    reserved memory, another threshold, or >= for >."""
+    standin = install(monkeypatch, total_memory=10 * GiB)
+    standin.foreign = foreign
     logs = []
-    with probe_on(cuda_standin, script_device(), logs=logs):
+    with probe_on(standin, script_device(), logs=logs):
         pass
-    expected = (f"auto_batch_size: warning: {int(foreign) / GiB:.2f} GiB of cuda:0 is used outside this process's "
+    expected = (f"auto_batch_size: warning: {foreign / GiB:.2f} GiB of cuda:0 is used outside this process's "
                 f"allocator (CUDA context, other processes, NCCL); probes cannot see it")
     assert logs == ([expected] if warns else [])
 
@@ -284,7 +292,7 @@ def test_discovery_on_cuda_finds_the_largest_size_under_the_margin(cuda_standin,
     assert cuda_standin.fraction == 1.0 and all_indexed(cuda_standin)
 
 
-@pytest.mark.parametrize("gb, budget", [(None, 8 * GiB), (2.5, int(2.5 * GiB)), (100, 8 * GiB)])
+@pytest.mark.parametrize("gb, budget", [(None, 8 * GiB), (0.5, GiB // 2), (2.5, int(2.5 * GiB)), (100, 8 * GiB)])
 def test_cuda_budget_is_the_device_memory_or_a_smaller_emulated_one(cuda_standin, gb, budget):
     """The CUDA budget is total_memory, or --device_memory_gb when smaller (an emulated smaller device, never a
     larger one). Catches max instead of min, GB instead of GiB, the CPU path on CUDA."""
@@ -361,3 +369,89 @@ def test_mps_budget_is_capped_at_metals_recommended_memory(monkeypatch, ranks, w
     assert (budget, desc["type"]) == (want, "mps")
     assert desc["source"] == f"0.5 x MemAvailable / {ranks} local rank(s)"
     assert ab_probe.device_memory_budget("cpu", None, local_world_size=ranks)[0] == 8 * GiB // ranks
+
+
+# ----------------------------------------------------------------------------- the real probe on the CPU
+
+def test_compiled_probes_compile_the_model_once_and_run_it(monkeypatch):
+    """measure(compiled=True) probes torch.compile(model, dynamic=False), compiled once for every compiled probe, and
+    measures the same step as the eager probe (the CPU's MemTracker sees the same tensors). torch.compile is stood
+    in for by a recording wrapper (inductor takes minutes on the CPU). Catches a compiled probe that runs the eager
+    model, recompiles per probe, or compiles with dynamic shapes (not what training runs)."""
+    compiled_calls, forwards = [], []
+
+    class Recorded(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, idx, targets):
+            forwards.append(idx.size(0))
+            return self.model(idx, targets)
+
+    def fake_compile(model, **kwargs):
+        compiled_calls.append((model, kwargs))
+        return Recorded(model)
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    built = []
+
+    def build(device):
+        model, optimizers = cpu_build(device)
+        built.append(model)
+        return model, optimizers
+    with ab_probe.RealProbe(build, "cpu", 16, 64, None, 1, log=lambda *a: None) as probe:
+        eager = probe.measure(2)
+        assert forwards == []
+        assert probe.measure(2, compiled=True) == eager and probe.measure(1, compiled=True)[0] < eager[0]
+    assert compiled_calls == [(built[0], {"dynamic": False})] and forwards == [2, 2, 2, 1, 1, 1]
+
+
+class CpuLM(nn.Module):
+    """A tiny language model on the CPU (embedding, head, fp32 cross-entropy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(64, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+
+    def forward(self, idx, targets):
+        logits = self.head(self.wte(idx)).float()
+        return F.cross_entropy(logits.view(-1, 64), targets.view(-1))
+
+
+def cpu_build(device):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = CpuLM()
+    return model, [torch.optim.AdamW(model.parameters(), lr=1e-3)]
+
+
+@pytest.mark.parametrize("amp_dtype", [None, torch.bfloat16])
+def test_a_real_cpu_probe_measures_in_the_training_dtype_without_the_global_rng(amp_dtype):
+    """A real CPU probe under bf16 autocast equals the fake measurement of the same step in bf16 (and is below the
+    fp32 one at 32 rows: bf16 activations); neither draws from the global RNG. Catches a real probe that drops the training
+    dtype (measures fp32 for a bf16 run) or makes its tokens from the global RNG (shifting training's data and init)."""
+    with ab_probe.RealProbe(cpu_build, "cpu", 16, 64, amp_dtype, 1, log=lambda *a: None) as probe:
+        rng = torch.get_rng_state()  # after the build, which seeds
+        real = probe.measure(32)
+        assert torch.equal(torch.get_rng_state(), rng)
+    fake = ab_probe.measure_fake_peak(cpu_build, 32, max_seq_len=16, vocab_size=64, amp_dtype=amp_dtype)
+    assert real == (fake, False, False)
+    if amp_dtype is not None:  # 444,440 against 458,776 bytes (torch 2.13)
+        assert fake < ab_probe.measure_fake_peak(cpu_build, 32, max_seq_len=16, vocab_size=64)
+
+
+def test_a_meta_factory_gets_the_whole_message():
+    """The one-line error for a build_probe that creates its model on the meta device and moves it with to_empty
+    (which FakeTensorMode cannot run), pinned whole. Catches a cryptic "Couldn't swap" error reaching the user, or a
+    message that no longer says what to do."""
+    def meta_build(device):
+        with torch.device("meta"):
+            model = CpuLM()
+        model.to_empty(device=device)
+        return model, [torch.optim.AdamW(model.parameters())]
+    with pytest.raises(ValueError) as info:
+        ab_probe.measure_fake_peak(meta_build, 2, max_seq_len=16, vocab_size=64)
+    assert str(info.value) == ("build_probe must create the model directly on the device it is given (e.g. with "
+                               "torch.device(device): GPT(config)); meta + to_empty() cannot run under "
+                               "FakeTensorMode; see gpt_builder")
