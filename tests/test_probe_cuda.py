@@ -161,6 +161,7 @@ def test_real_probe_enters_measures_and_exits_on_cuda(cuda_standin, given):
         assert probe.measure(1) == (PARAM_BYTES + STATE_BYTES + ROW_BYTES, False, False)
         assert built[0].calls == [4, 4, 4, 1, 1, 1]  # two micro-steps, the optimizer step, one more: each probe
         assert torch.cuda.memory_allocated(0) == PARAM_BYTES  # optimizer state and activations dropped
+        assert all(p.grad is None for p in built[0].parameters())  # gradients freed, not zeroed
     assert cuda_standin.fraction == 0.9
     assert all(torch.equal(a, b) for a, b in zip(weights, built[0].parameters()))
     assert cuda_standin.reserved == cuda_standin.allocated == PARAM_BYTES
@@ -455,3 +456,47 @@ def test_a_meta_factory_gets_the_whole_message():
     assert str(info.value) == ("build_probe must create the model directly on the device it is given (e.g. with "
                                "torch.device(device): GPT(config)); meta + to_empty() cannot run under "
                                "FakeTensorMode; see gpt_builder")
+
+
+def test_a_failing_build_reaches_the_user_as_itself(cuda_standin, monkeypatch, tmp_path):
+    """build_probe raising on the CUDA path (before the probe set anything up): discovery raises that error, and the
+    allocator's cap is untouched. Catches an exit that then trips over its own unset state (restoring a fraction it
+    never read, restoring weights of a model never built) and hides the user's error behind its own."""
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+
+    def failing_build(device):
+        raise RuntimeError("no such checkpoint: model.pt")
+    cuda_standin.fraction = 0.9
+    with pytest.raises(RuntimeError, match="^no such checkpoint: model.pt$"):
+        discover_device_batch_size(failing_build, max_seq_len=16, vocab_size=64, total_batch_size=64 * 16,
+                                   world_size=1, device=script_device(), use_cache=False, key_fields={},
+                                   log=lambda *a: None)
+    assert cuda_standin.fraction == 0.9
+
+
+def test_fake_probes_measure_with_every_setting_they_are_given():
+    """FakeProbe(...).measure(B) is measure_fake_peak with the probe's settings: the training dtype and the world
+    size (DDP's buckets for 2 ranks). Catches a probe that drops a setting (measures fp32 or one rank)."""
+    probe = ab_probe.FakeProbe(cpu_build, "cpu", 16, 64, torch.bfloat16, 2)
+    with probe:
+        got = probe.measure(32)
+    want = ab_probe.measure_fake_peak(cpu_build, 32, max_seq_len=16, vocab_size=64, amp_dtype=torch.bfloat16,
+                                      world_size=2)
+    assert got == (want, False, False)
+    assert want == ab_probe.measure_fake_peak(cpu_build, 32, max_seq_len=16, vocab_size=64,
+                                              amp_dtype=torch.bfloat16) + (64 * 16 + 16 * 64) * 4
+
+
+@pytest.mark.parametrize("avail_kb, want", [
+    (2_097_151, 805_306_368),  # 1 kB short of 2 GiB: half is 512 B short of 1 GiB, so 256 MiB steps: 3 x 256 MiB
+    (2_097_152, GiB),  # exactly 2 GiB: half is 1 GiB, a whole GiB
+])
+def test_cpu_budget_at_the_gib_boundary(monkeypatch, avail_kb, want):
+    """At the boundary between 256 MiB and whole-GiB rounding the kB unit of /proc/meminfo decides (1 kB = 1024 B):
+    2,097,151 kB is 2,147,482,624 B, half 1,073,741,312 B < 1 GiB, so 768 MiB; 2,097,152 kB gives exactly 1 GiB. The
+    description names the source. Catches a kB of 1000 or 1025 bytes."""
+    fake_meminfo(monkeypatch, MEMINFO.format(f"MemAvailable:   {avail_kb} kB\n"))
+    assert ab_probe.device_memory_budget("cpu") == (want, {"type": "cpu", "budget_bytes": want,
+                                                          "source": "0.5 x MemAvailable / 1 local rank(s)"})
+    assert ab_probe.device_memory_budget("cpu", 0.5) == (GiB // 2, {"type": "cpu", "budget_bytes": GiB // 2,
+                                                                    "source": "--device_memory_gb"})
