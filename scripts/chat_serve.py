@@ -1,0 +1,302 @@
+"""
+Talk to a trained model from a browser or any OpenAI-compatible client: an HTTP server (FastAPI on uvicorn) with
+OpenAI's chat completions API and a chat page.
+
+    python scripts/chat_serve.py                                   # the latest stage's newest checkpoint
+    python scripts/chat_serve.py --source=sft --run_name=cpu --port=8000
+    # then open http://127.0.0.1:8000, or: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+
+Endpoints:
+  POST /v1/chat/completions  OpenAI's request and response schema: messages (system, user, assistant), max_tokens or
+                             max_completion_tokens, temperature, top_k (an extension), seed, stop, stream. Streaming
+                             answers Server-Sent Events in OpenAI's chunk format (the first chunk carries the role, the
+                             last finish_reason "stop" or "length", then `data: [DONE]`); otherwise one JSON object
+                             with usage. A leading system message is folded into the first user message, as the chat
+                             format has no system role (nanotrain.tokenizer.render_conversation). The calculator runs
+                             inside generation; its call reaches the client as readable text, as chat_cli shows it.
+  GET /v1/models, GET /health, GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
+Requests are decoded one at a time, in arrival order (at most --max_queue waiting; more get 429); a client that goes
+away mid-stream stops its generation at the next token. Errors are OpenAI error objects ({"error": {"message", "type",
+"param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
+range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body over --max_body_bytes), 422 (JSON
+that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --host says otherwise.
+"""
+
+import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+
+import torch
+
+from nanotrain.checkpoint import find_run_dir, load_model
+from nanotrain.common import autodetect_device_type, run_script
+from nanotrain.configurator import configure
+from nanotrain.engine import Engine
+from nanotrain.errors import UserError
+
+# ----------------------------------------------------------------------------- settings
+source = ""  # which stage's checkpoint: rl | sft | mid | base; "" is the latest stage that has one (rl, sft, mid)
+run_name = ""  # run name; "" picks the run with the newest checkpoint
+step = -1  # checkpoint step; -1 is the newest
+host = "127.0.0.1"  # the address to bind; 0.0.0.0 exposes the server to the network
+port = 8000  # the TCP port; 0 picks a free one (printed)
+api_key = ""  # require `Authorization: Bearer <api_key>`; "" reads NANOTRAIN_API_KEY, and none of both means no key
+max_tokens = 256  # new tokens of a reply when the request does not say
+max_queue = 16  # requests waiting for the model at most; more are answered 429
+max_body_bytes = 1_000_000  # the largest request body; larger is answered 413
+max_messages = 64  # messages per request at most
+tool = True  # run the calculator tool when the model calls it
+device_type = ""  # cuda | mps | cpu; "" autodetects
+config = configure(globals())
+# -----------------------------------------------------------------------------
+
+SHOWN = {"<|python_start|>": "[calculator: ", "<|python_end|>": "", "<|output_start|>": " -> ",
+         "<|output_end|>": "]"}  # the tool's special tokens as the client reads them (as chat_cli shows them)
+HTML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_serve.html")
+
+
+def readable(text):
+    """The decoded reply with the calculator's special tokens shown as SHOWN says."""
+    for token, shown in SHOWN.items():
+        text = text.replace(token, shown)
+    return text
+
+
+class APIError(Exception):
+    """An OpenAI error object with its HTTP status: status, message, type, param (the field, or None)."""
+
+    def __init__(self, status, message, param=None, type_="invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+def parse_request(body, context_len, tokenizer):
+    """
+    The chat completion request `body` (a dict from JSON) checked field by field: returns (prompt ids, max_tokens,
+    temperature, top_k, seed, stop list, stream). Raises APIError(400) naming the first bad field.
+    """
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages: expected a non-empty list of {role, content}", "messages")
+    if len(messages) > max_messages:
+        raise APIError(400, f"messages: at most {max_messages} messages, got {len(messages)}", "messages")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise APIError(400, f"messages[{i}].role: expected system, user or assistant", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: only text here
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content: expected a string", f"messages[{i}].content")
+        turns.append({"role": m["role"], "content": content})
+    if turns[-1]["role"] != "user":
+        raise APIError(400, "messages: the last message must be the user's", "messages")
+    try:
+        ids = tokenizer.render_for_completion({"messages": turns})
+    except (ValueError, UserError) as e:
+        raise APIError(400, f"messages: {e}", "messages") from None
+    n = body.get("max_completion_tokens", body.get("max_tokens", max_tokens))
+    if n is None:
+        n = max_tokens
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise APIError(400, "max_tokens: expected an integer >= 1", "max_tokens")
+    if len(ids) + n > context_len:
+        raise APIError(400, f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({n}) exceeds the model's "
+                            f"context of {context_len} tokens", "max_tokens")
+    temperature = body.get("temperature", 1.0)
+    temperature = 1.0 if temperature is None else temperature
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
+        raise APIError(400, "temperature: expected a number in [0, 2]", "temperature")
+    top_k = body.get("top_k")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
+        raise APIError(400, "top_k: expected an integer >= 0 (0: every token)", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        raise APIError(400, "seed: expected an integer in [0, 2**63)", "seed")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop: expected a string or a list of at most 4 non-empty strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream: expected true or false", "stream")
+    return ids, n, float(temperature), top_k or None, 42 if seed is None else seed, stop, stream
+
+
+def make_app(engine, tokenizer, model_id, key):
+    """The FastAPI app serving `engine` (decoding one request at a time). key: the bearer token required, or ""."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+
+    app = FastAPI(title="nanotrain", docs_url=None, redoc_url=None, openapi_url=None)
+    lock = threading.Lock()  # one generation at a time on the model
+    waiting = [0]  # requests admitted and not finished (their generation waits on the lock or runs)
+    context_len = engine.model.config.max_seq_len
+
+    def error(e):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            if key and request.headers.get("authorization") != f"Bearer {key}":
+                return error(APIError(401, "invalid or missing API key (Authorization: Bearer ...)", None,
+                                      "authentication_error"))
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+                return error(APIError(413, f"the request body is over {max_body_bytes} bytes"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "waiting": waiting[0]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "nanotrain"}]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        with open(HTML, encoding="utf-8") as f:
+            return f.read()
+
+    def run(ids, n, temperature, top_k, seed, stop, halt, emit):
+        """Decodes under the lock; emit(text_delta) per readable piece; returns (finish_reason, completion_tokens)."""
+        out, shown = [], ""
+        with lock:
+            for tok in engine.generate_stream(ids, n, temperature, top_k, seed, tool=tool):
+                if halt.is_set():
+                    return "stop", len(out)
+                out.append(tok)
+                text = readable(tokenizer.decode(out))
+                cut = min((text.find(s) for s in stop if s in text), default=-1)
+                if cut >= 0:
+                    if cut > len(shown):
+                        emit(text[len(shown):cut])
+                    return "stop", len(out)
+                if not text.endswith("\ufffd"):  # never half a character: wait for the token that completes it
+                    emit(text[len(shown):])
+                    shown = text
+            text = readable(tokenizer.decode(out))
+            if len(text) > len(shown):
+                emit(text[len(shown):])
+        return ("length" if len(out) >= n else "stop"), len(out)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            return error(APIError(413, f"the request body is over {max_body_bytes} bytes"))
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(APIError(422, f"the body is not JSON: {e}"))
+        try:
+            ids, n, temperature, top_k, seed, stop, stream = parse_request(body, context_len, tokenizer)
+        except APIError as e:
+            return error(e)
+        if waiting[0] >= max_queue:
+            return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
+                                  "rate_limit_error"))
+        waiting[0] += 1
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        loop = asyncio.get_running_loop()
+        queue, halt = asyncio.Queue(), threading.Event()
+
+        def work():
+            try:
+                result = run(ids, n, temperature, top_k, seed, stop, halt,
+                             lambda d: loop.call_soon_threadsafe(queue.put_nowait, ("delta", d)))
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+            except Exception as e:  # noqa: BLE001 - reaches the client as an error, the server goes on
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", str(e)))
+            finally:
+                loop.call_soon_threadsafe(lambda: waiting.__setitem__(0, waiting[0] - 1))
+        loop.run_in_executor(None, work)
+
+        def chunk(delta, finish=None):
+            return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                          "model": model_id, "choices": [{"index": 0, "delta": delta,
+                                                                          "finish_reason": finish}]}) + "\n\n"
+        if stream:
+            async def events():
+                try:
+                    yield chunk({"role": "assistant", "content": ""})
+                    while True:
+                        kind, value = await queue.get()
+                        if kind == "delta":
+                            yield chunk({"content": value})
+                        elif kind == "done":
+                            yield chunk({}, value[0])
+                            break
+                        else:
+                            yield "data: " + json.dumps(APIError(500, value, None, "server_error").body()) + "\n\n"
+                            break
+                    yield "data: [DONE]\n\n"
+                finally:
+                    halt.set()  # a client gone mid-stream: the generation stops at its next token
+            return StreamingResponse(events(), media_type="text/event-stream")
+        parts = []
+        try:
+            while True:
+                kind, value = await queue.get()
+                if kind == "delta":
+                    parts.append(value)
+                elif kind == "error":
+                    return error(APIError(500, value, None, "server_error"))
+                else:
+                    break
+        finally:
+            halt.set()
+        finish, completion_tokens = value
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                             "finish_reason": finish}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                          "total_tokens": len(ids) + completion_tokens}}
+
+    return app
+
+
+def main():
+    import uvicorn
+    device = torch.device(device_type or autodetect_device_type())
+    stage = source
+    if not stage:
+        stage = next((s for s in ("rl", "sft", "mid") if find_run_dir(s, run_name) is not None), None)
+        if stage is None:
+            raise UserError("no rl, sft or mid checkpoint found; train a chat model first (python scripts/chat_sft.py),"
+                            " or pass --source=base")
+    model, tokenizer, path, meta = load_model(stage, run_name, step, device)
+    model_id = f"nanotrain-{stage}-{os.path.basename(os.path.dirname(os.path.dirname(path)))}-{meta['step']}"
+    key = api_key or os.environ.get("NANOTRAIN_API_KEY", "")
+    app = make_app(Engine(model, tokenizer), tokenizer, model_id, key)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+
+    async def serve():
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            bound = server.servers[0].sockets[0].getsockname()[1]
+            print(f"serving {model_id} ({path}) on http://{host}:{bound} (Ctrl-C stops)", flush=True)
+        await task
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    run_script(main)
