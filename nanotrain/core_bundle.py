@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 import zipfile
+import zlib
 
 from nanotrain.common import get_base_dir, print0
 from nanotrain.downloads import check_manifest, download, ensure_built, file_manifest, read_manifest, write_marker
@@ -206,7 +207,7 @@ def check_zip(zip_path, url):
                 with z.open(n) as f:  # reading to the end checks the CRC (BadZipFile otherwise)
                     while f.read(1 << 20):
                         pass
-    except (zipfile.BadZipFile, EOFError, OSError, UnicodeDecodeError) as e:
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, UnicodeDecodeError) as e:
         raise UserError(f"the eval bundle from {url} is not a readable zip ({e}): truncated or damaged; run again to "
                         f"download it again") from None
     return needed

@@ -29,12 +29,15 @@ def base(tmp_path, monkeypatch):
     return b
 
 
-def _zip_bundle(path, extra=None):
-    """The fixture bundle zipped under eval_bundle/ as the real zip is, plus the members `extra` (name -> bytes)."""
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+def _zip_bundle(path, extra=None, drop=(), method=zipfile.ZIP_DEFLATED):
+    """The fixture bundle zipped under eval_bundle/ as the real zip is, without the files `drop` (paths in the
+    bundle), plus the members `extra` (name -> bytes)."""
+    with zipfile.ZipFile(path, "w", method) as z:
         for root, _, files in os.walk(BUNDLE):
             for f in files:
-                z.write(os.path.join(root, f), "eval_bundle/" + os.path.relpath(os.path.join(root, f), BUNDLE))
+                rel = os.path.relpath(os.path.join(root, f), BUNDLE)
+                if rel not in drop:
+                    z.write(os.path.join(root, f), "eval_bundle/" + rel)
         for name, data in (extra or {}).items():
             z.writestr(name, data)
     return path
@@ -126,3 +129,39 @@ def test_num_fewshot_that_is_not_a_count_is_one_line(tmp_path, shots):
         core_bundle.ensure_bundle(str(own), own=True)
     msg = str(e.value)
     assert str(yaml_path) in msg and "mc_test: num_fewshot" in msg and "expected a count" in msg and "\n" not in msg
+
+
+def test_missing_files_are_counted_in_the_line(base, tmp_path, monkeypatch):
+    """One task file missing: the line names it alone; two: the first and "and 1 more files". Catches a count that is
+    off by one or always (never) shown."""
+    one = _zip_bundle(tmp_path / "one.zip", drop=("eval_data/invented/lm_test.jsonl",))
+    two = _zip_bundle(tmp_path / "two.zip", drop=("eval_data/invented/lm_test.jsonl",
+                                                  "eval_data/invented/mc_test.jsonl"))
+    for z, tail in ((one, "lm_test.jsonl: not a complete CORE eval bundle"),
+                    (two, "lm_test.jsonl and 1 more files: not a complete CORE eval bundle")):
+        monkeypatch.setenv(core_bundle.URL_ENV, z.as_uri())
+        with pytest.raises(UserError) as e:
+            core_bundle.ensure_bundle()
+        assert str(e.value).endswith(tail), str(e.value)
+        assert _left(base) == []
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_named_member_with_damaged_bytes_is_refused(base, tmp_path, monkeypatch, method):
+    """
+    One byte of a task file's stored data flipped (its CRC, or for deflate its stream, no longer holds): one line
+    "not a readable zip", nothing extracted. Catches checking only the index (names and sizes) and not the data, and a
+    zlib.error escaping as a traceback.
+    """
+    z = _zip_bundle(tmp_path / "damaged.zip", method=method)
+    data = bytearray(z.read_bytes())
+    with zipfile.ZipFile(z) as zf:
+        info = zf.getinfo("eval_bundle/eval_data/invented/lm_test.jsonl")
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    data[start + info.compress_size // 2] ^= 0xFF
+    z.write_bytes(bytes(data))
+    monkeypatch.setenv(core_bundle.URL_ENV, z.as_uri())
+    with pytest.raises(UserError, match="is not a readable zip") as e:
+        core_bundle.ensure_bundle()
+    assert "\n" not in str(e.value)
+    assert _left(base) == []
