@@ -165,3 +165,29 @@ def test_a_named_member_with_damaged_bytes_is_refused(base, tmp_path, monkeypatc
         core_bundle.ensure_bundle()
     assert "\n" not in str(e.value)
     assert _left(base) == []
+
+
+def test_leftovers_of_a_killed_extraction_are_cleared_and_progress_is_shown(base, tmp_path, monkeypatch, capsys):
+    """
+    A process killed while extracting leaves eval_bundle.tmp and eval_bundle.unzip (with files): the next download
+    removes both, says what it downloads, and succeeds. Catches leftovers kept (a stale file would end up in the
+    bundle) or cleared under another name than the one written.
+    """
+    for name in ("eval_bundle.tmp", "eval_bundle.unzip"):
+        os.makedirs(base / name / "eval_data")
+        (base / name / "eval_data" / "stale.jsonl").write_text("{}\n")
+    z = _zip_bundle(tmp_path / "good.zip")
+    monkeypatch.setenv(core_bundle.URL_ENV, z.as_uri())
+    path = core_bundle.ensure_bundle()
+    assert _left(base) == ["eval_bundle"] and not os.path.exists(os.path.join(path, "eval_data", "stale.jsonl"))
+    assert f"downloading the CORE eval bundle (~162 MB) from {z.as_uri()}" in capsys.readouterr().out
+
+
+def test_offline_says_what_to_do(base, monkeypatch):
+    """No network: the one line says how to get the bundle another way (a file:// copy, or an own bundle)."""
+    monkeypatch.setenv(core_bundle.URL_ENV, "http://127.0.0.1:9/eval_bundle.zip")
+    with pytest.raises(UserError) as e:
+        core_bundle.ensure_bundle()
+    msg = str(e.value)
+    assert "no network? fetch eval_bundle.zip elsewhere" in msg and "--own_eval_bundle=True" in msg
+    assert "\n" not in msg and _left(base) == []
