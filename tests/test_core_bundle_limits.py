@@ -4,7 +4,9 @@ extracted, a member core.yaml does not name is never written, a num_fewshot that
 zips are small and hand-made; a "3 GiB" member only declares its size (the central directory is edited), so no test
 writes or reads more than a few MB.
 """
+import json
 import os
+import re
 import shutil
 import struct
 import zipfile
@@ -180,7 +182,22 @@ def test_leftovers_of_a_killed_extraction_are_cleared_and_progress_is_shown(base
     monkeypatch.setenv(core_bundle.URL_ENV, z.as_uri())
     path = core_bundle.ensure_bundle()
     assert _left(base) == ["eval_bundle"] and not os.path.exists(os.path.join(path, "eval_data", "stale.jsonl"))
-    assert f"downloading the CORE eval bundle (~162 MB) from {z.as_uri()}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"downloading the CORE eval bundle (~162 MB) from {z.as_uri()}" in out
+    assert re.search(rf"eval bundle ready at {re.escape(path)} \(\d{{1,2}}s\)", out), out
+    marker = json.loads((base / "eval_bundle" / "bundle.json").read_text())
+    assert marker["url"] == z.as_uri() and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", marker["downloaded"])
+
+
+def test_a_bundle_with_a_bad_row_is_not_usable(base, tmp_path, monkeypatch):
+    """A zip whose task file has a row without its fields: one line naming the URL and "not usable", nothing left."""
+    z = _zip_bundle(tmp_path / "badrow.zip", drop=("eval_data/invented/lm_test.jsonl",),
+                    extra={"eval_bundle/eval_data/invented/lm_test.jsonl": b'{"context": "a"}\n'})
+    monkeypatch.setenv(core_bundle.URL_ENV, z.as_uri())
+    with pytest.raises(UserError) as e:
+        core_bundle.ensure_bundle()
+    assert str(e.value).startswith(f"the eval bundle from {z.as_uri()} is not usable: ") and "\n" not in str(e.value)
+    assert _left(base) == []
 
 
 def test_offline_says_what_to_do(base, monkeypatch):
