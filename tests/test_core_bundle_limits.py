@@ -208,3 +208,30 @@ def test_offline_says_what_to_do(base, monkeypatch):
     msg = str(e.value)
     assert "no network? fetch eval_bundle.zip elsewhere" in msg and "--own_eval_bundle=True" in msg
     assert "\n" not in msg and _left(base) == []
+
+
+def test_a_bundle_that_changes_after_its_check_is_refused(base, tmp_path, monkeypatch):
+    """
+    The downloaded bundle, a hand copy of it (accepted as the pinned one) and an own bundle: each passes
+    verify_bundle as accepted, and each fails it in one line once a task file changes. A copy that differs from the
+    pinned record, and a path that is not a directory, are refused. Catches a manifest not recorded at acceptance,
+    verify_bundle checking nothing, and a hand copy compared with nothing.
+    """
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    pinned = core_bundle.ensure_bundle()
+    copy, own = tmp_path / "copy", tmp_path / "own"
+    shutil.copytree(pinned, copy)
+    shutil.copytree(BUNDLE, own)
+    assert core_bundle.ensure_bundle(str(copy)) == str(copy)
+    assert core_bundle.ensure_bundle(str(own), own=True) == str(own)
+    for path in (pinned, str(copy), str(own)):
+        core_bundle.verify_bundle(path)
+        with open(os.path.join(path, "eval_data", "invented", "lm_test.jsonl"), "a") as f:
+            f.write('{"context": "b", "continuation": "b"}\n')
+        with pytest.raises(UserError, match="the CORE eval bundle changed after it was checked") as e:
+            core_bundle.verify_bundle(path)
+        assert "lm_test.jsonl" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="not the pinned CORE bundle"):
+        core_bundle.ensure_bundle(str(copy))
+    with pytest.raises(UserError, match=f"--eval_bundle={tmp_path}/none: not a directory"):
+        core_bundle.ensure_bundle(str(tmp_path / "none"))
