@@ -102,6 +102,17 @@ def interrupted_line():
             f"--resume=True to continue from the last checkpoint")
 
 
+def _ctrl_c_in(exc):
+    """True when a KeyboardInterrupt is among the exceptions `exc` was raised while handling (or from)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _save_failed(exc, root, final, tmp, rank):
     """The one-line UserError for a checkpoint write that failed with `exc`, after removing the unfinished `tmp`."""
     free = _free_bytes(root)  # measured before the cleanup gives the space back
@@ -157,6 +168,9 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
             if osft_state is not None:
                 _save_tensors(osft_state, os.path.join(tmp, OSFT_FILE))
     except (OSError, RuntimeError) as exc:  # torch's zip writer reports a full disk as a RuntimeError
+        if _ctrl_c_in(exc):  # torch.save turns a Ctrl-C inside its file writes into a RuntimeError: still a Ctrl-C
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise KeyboardInterrupt from None
         raise _save_failed(exc, root, final, tmp, rank) from None
     except KeyboardInterrupt:  # a second Ctrl-C: the unfinished copy goes (the previous checkpoint is intact)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,8 +7,9 @@ had, checked and read; the metric itself is nanotrain.core_eval.
 Where it comes from:
 - downloaded once per machine from EVAL_BUNDLE_URL (or $NANOTRAIN_EVAL_BUNDLE_URL: a mirror, or file:///path to a
   copy of eval_bundle.zip fetched elsewhere) into <base_dir>/eval_bundle with nanotrain.downloads.ensure_built: the
-  zip checked (every member's CRC, core.yaml's tasks present), extracted, every task file read and checked, then its
-  marker bundle.json records every file's sha256 and row count. That record is checked on every load; a file that
+  zip checked (core.yaml's tasks present, the sizes they declare capped, their CRCs), only the files core.yaml names
+  extracted (any other member is never read: a zip bomb beside them costs nothing), every task file read and checked,
+  then its marker bundle.json records every file's sha256 and row count. That record is checked on every load; a file that
   differs is fetched again once.
 - a directory copied by hand (--eval_bundle=DIR): compared file by file with the record of the pinned bundle this
   machine downloaded, and refused in one line when it differs or when there is no such record, unless the user says
@@ -27,6 +28,7 @@ import os
 import shutil
 import time
 import zipfile
+import zlib
 
 from nanotrain.common import get_base_dir, print0
 from nanotrain.downloads import check_manifest, download, ensure_built, file_manifest, read_manifest, write_marker
@@ -42,6 +44,8 @@ TASK_TYPES = ("multiple_choice", "schema", "language_modeling")
 FIELDS = {"multiple_choice": ("query", "choices"), "schema": ("context_options", "continuation"),
           "language_modeling": ("context", "continuation")}
 OWN_FLAG = "--own_eval_bundle=True"
+MAX_UNPACKED_BYTES = 2 << 30  # the files core.yaml names, uncompressed, as declared (the pinned zip: ~162 MB)
+MAX_INDEX_BYTES = 1 << 20  # core.yaml itself
 _ACCEPTED = {}  # bundle directory -> the file manifest it was accepted with (checked again by verify_bundle)
 
 
@@ -49,7 +53,8 @@ def parse_task_list(text, where):
     """
     The tasks of a core.yaml text: a list of dicts {"label", "dataset_uri", "num_fewshot" (int: the first of the
     file's list), "task_type", "delimiter" (continuation_delimiter, default " ")}. Raises UserError naming `where`
-    when the text is not YAML, has no icl_tasks list, or a task lacks a field or has an unknown icl_task_type.
+    when the text is not YAML, has no icl_tasks list, or a task lacks a field, has an unknown icl_task_type or a
+    num_fewshot that is not a count.
     """
     import yaml
     try:
@@ -66,8 +71,11 @@ def parse_task_list(text, where):
         if t["icl_task_type"] not in TASK_TYPES:
             raise UserError(f"{where}: task {t['label']}: icl_task_type {t['icl_task_type']!r}, expected one of "
                             f"{', '.join(TASK_TYPES)}")
-        shots = t["num_fewshot"][0] if isinstance(t["num_fewshot"], list) else t["num_fewshot"]
-        tasks.append({"label": str(t["label"]), "dataset_uri": str(t["dataset_uri"]), "num_fewshot": int(shots),
+        shots = t["num_fewshot"][0] if isinstance(t["num_fewshot"], list) and t["num_fewshot"] else t["num_fewshot"]
+        if type(shots) is not int or shots < 0:
+            raise UserError(f"{where}: task {t['label']}: num_fewshot {t['num_fewshot']!r:.40}, expected a count "
+                            f"(an integer >= 0, or a list whose first item is one)")
+        tasks.append({"label": str(t["label"]), "dataset_uri": str(t["dataset_uri"]), "num_fewshot": shots,
                       "task_type": t["icl_task_type"], "delimiter": str(t.get("continuation_delimiter", " "))})
     return tasks
 
@@ -169,31 +177,40 @@ def check_bundle(bundle_dir):
 
 def check_zip(zip_path, url):
     """
-    Checks a downloaded bundle before anything is extracted: the zip reads (every member's CRC), its
-    eval_bundle/core.yaml parses, and eval_meta_data.csv and every data file core.yaml names are members.
-    Raises UserError (one line naming `url`) otherwise.
+    Checks a downloaded bundle before anything is extracted: the zip's index reads, its eval_bundle/core.yaml parses,
+    eval_meta_data.csv and every data file core.yaml names are members, the sizes those members declare add up to at
+    most MAX_UNPACKED_BYTES, and each of them passes its CRC. Returns the member names to extract (only those: any
+    other member, however large, is never read). Raises UserError (one line naming `url`) otherwise.
     """
+    core = f"{BUNDLE_DIR}/core.yaml"
     try:
         with zipfile.ZipFile(zip_path) as z:
-            bad = z.testzip()
-            if bad is not None:
-                raise UserError(f"the eval bundle from {url} is damaged ({bad} fails its CRC); run again to download "
-                                f"it again")
-            names = set(z.namelist())
-            core = f"{BUNDLE_DIR}/core.yaml"
-            if core not in names:
+            infos = {i.filename: i for i in z.infolist()}
+            if core not in infos:
                 raise UserError(f"the eval bundle from {url} has no {core}: not a CORE eval bundle")
+            if infos[core].file_size > MAX_INDEX_BYTES:
+                raise UserError(f"the eval bundle from {url}: {core} declares {infos[core].file_size} bytes, more "
+                                f"than the {MAX_INDEX_BYTES} a task list needs: not a CORE eval bundle")
             tasks = parse_task_list(z.read(core).decode("utf-8"), f"{url}: {core}")
-    except (zipfile.BadZipFile, EOFError, OSError, UnicodeDecodeError) as e:
+            needed = [core, f"{BUNDLE_DIR}/eval_meta_data.csv"] + sorted(
+                {f"{BUNDLE_DIR}/eval_data/{t['dataset_uri']}" for t in tasks})
+            missing = [n for n in needed if n not in infos]
+            if missing:
+                raise UserError(f"the eval bundle from {url} lacks {missing[0]}"
+                                + (f" and {len(missing) - 1} more files" if len(missing) > 1 else "")
+                                + ": not a complete CORE eval bundle")
+            total = sum(infos[n].file_size for n in needed)
+            if total > MAX_UNPACKED_BYTES:
+                raise UserError(f"the eval bundle from {url}: its {len(needed)} files declare {total} bytes "
+                                f"uncompressed, more than the limit of {MAX_UNPACKED_BYTES}: not the CORE eval bundle")
+            for n in needed:
+                with z.open(n) as f:  # reading to the end checks the CRC (BadZipFile otherwise)
+                    while f.read(1 << 20):
+                        pass
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, UnicodeDecodeError) as e:
         raise UserError(f"the eval bundle from {url} is not a readable zip ({e}): truncated or damaged; run again to "
                         f"download it again") from None
-    needed = [f"{BUNDLE_DIR}/eval_meta_data.csv"] + [f"{BUNDLE_DIR}/eval_data/{t['dataset_uri']}" for t in tasks]
-    missing = [n for n in needed if n not in names]
-    if missing:
-        raise UserError(f"the eval bundle from {url} lacks {missing[0]}"
-                        + (f" and {len(missing) - 1} more files" if len(missing) > 1 else "")
-                        + ": not a complete CORE eval bundle")
-
+    return needed
 
 
 def pinned_manifest():
@@ -272,9 +289,9 @@ def _build(base, final):
         download(url, zip_path, f"the CORE eval bundle ({BUNDLE_SIZE})",
                  f"no network? fetch eval_bundle.zip elsewhere and set {URL_ENV}=file:///path/eval_bundle.zip, or "
                  f"pass --eval_bundle=DIR {OWN_FLAG} (an unzipped bundle, used unchecked against the pinned one)")
-        check_zip(zip_path, url)
+        members = check_zip(zip_path, url)
         with zipfile.ZipFile(zip_path) as z:
-            z.extractall(unzip, [m for m in z.namelist() if m.startswith(BUNDLE_DIR + "/")])
+            z.extractall(unzip, members)
         os.rename(os.path.join(unzip, BUNDLE_DIR), tmp)
         try:
             check_bundle(tmp)

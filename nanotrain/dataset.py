@@ -215,7 +215,7 @@ def _iter_jsonl(path, first, start):
             if idx >= start:
                 try:
                     obj = json.loads(raw.decode("utf-8"))
-                except ValueError:  # UnicodeDecodeError and JSONDecodeError
+                except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError, too deep
                     raise UserError(f"{path}:{lineno}: not a valid UTF-8 JSON line; expected one object per line "
                                     f"with a \"text\" string") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):

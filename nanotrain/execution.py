@@ -31,8 +31,11 @@ How it is isolated, by how this process runs (isolation()):
   session (no terminal injection), killed with its namespace when bwrap is; it cannot see, signal or ptrace any
   process outside, read the environment or any file outside those mounts; RLIMIT_NPROC (NPROC) bounds its
   processes (counted in its own user namespace from Linux 5.14; before, all of this user's processes count, so a
-  program may not be able to fork at all). Not isolated: memory is bounded per process only (NPROC x memory_bytes at
-  most in all), the kernel (no seccomp).
+  program may not be able to fork at all). /tmp and /dev/shm are tmpfs (RAM) of at most memory_bytes each where the
+  installed bwrap takes --size (0.5.0 and later; older: unbounded). Where this user may make a cgroup (a delegated
+  cgroup v2 subtree, or v1 memory and pids), the program and all its processes share memory_bytes and pids.max as in
+  root mode. Not isolated: elsewhere memory is bounded per process only (NPROC x memory_bytes at most in all, and
+  the tmpfs pages, which are not counted in any process's address space), the kernel (no seccomp).
 - not root, no working bubblewrap ("none"): no isolation at all: the program runs as this user and can kill this
   process, ptrace it, read its secrets and files, and write into its output. run_program refuses (UserError, one line
   saying why) unless unsafe_code is allowed (require_isolation(unsafe_code=True), or unsafe_code=True).
@@ -179,12 +182,13 @@ def _run(code, timeout_s, memory_bytes, cpu_s, file_bytes, pass_fds, unsafe_code
         os.chmod(os.path.join(workdir, "main.py"), 0o644)
         if uid is not None:
             os.chown(workdir, uid, uid)  # the directory stays 0o700: only the program (and root) can enter it
-        cgroup = Cgroup.make(f"nanotrain-exec-{uid}", memory_bytes, NPROC) if uid is not None else None
+        name = f"nanotrain-exec-{uid}" if uid is not None else f"nanotrain-exec-bwrap-{os.getpid()}-{os.urandom(4).hex()}"
+        cgroup = Cgroup.make(name, memory_bytes, NPROC) if kind != "none" else None
         go_r, go_w = os.pipe()
         argv = [python, "-I", "-S", "-c", GUARD, str(memory_bytes), str(cpu_s), str(file_bytes),
                 str(NPROC if kind != "none" else 0), str(go_r)]
         if kind == "bwrap":
-            argv = _bwrap_argv(workdir, python) + argv
+            argv = _bwrap_argv(workdir, python, tmpfs_bytes=memory_bytes) + argv
         drop = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
         start = time.monotonic()
@@ -224,6 +228,8 @@ def _end(proc, uid, python, cgroup):
         pass
     proc.wait()
     if uid is None:
+        if cgroup is not None:
+            cgroup.remove()
         return
     try:
         if not sweep_uid(uid, python, cgroup, SWEEP_S):
@@ -249,9 +255,20 @@ def _bwrap_problem():
     return None if r.returncode == 0 else f"bwrap failed: {r.stderr.decode(errors='replace').strip()[:200]}"
 
 
-def _bwrap_argv(workdir, python):
+@lru_cache(maxsize=1)
+def _bwrap_has_size():
+    """Whether the installed bwrap takes --size (the size of the next --tmpfs; bubblewrap 0.5.0 and later)."""
+    try:
+        r = subprocess.run([shutil.which("bwrap") or "bwrap", "--help"], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return b"--size" in r.stdout + r.stderr
+
+
+def _bwrap_argv(workdir, python, tmpfs_bytes=None):
     """bwrap and its options up to the program's argv: every namespace unshared, system directories and Python's
-    prefix read-only, a private /tmp and /dev/shm, workdir the one writable directory (the current directory)."""
+    prefix read-only, a private /tmp and /dev/shm (each a tmpfs of at most tmpfs_bytes where bwrap takes --size),
+    workdir the one writable directory (the current directory)."""
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives"):
@@ -262,7 +279,8 @@ def _bwrap_argv(workdir, python):
     prefix = os.path.realpath(sys.base_prefix)
     for path in {prefix, os.path.dirname(os.path.dirname(python))} - {"/", "/usr"}:
         argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+    size = ["--size", str(tmpfs_bytes)] if tmpfs_bytes is not None and _bwrap_has_size() else []
+    argv += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/dev/shm"]
     if workdir != "/":
         argv += ["--bind", workdir, workdir]
     return argv + ["--chdir", workdir, "--"]

@@ -7,6 +7,7 @@ What is inside checkpoints/ is nanotrain.checkpoint's.
 
 import errno
 import json
+import math
 import os
 import socket
 import sys
@@ -148,9 +149,15 @@ class MetricsLog:
 
     def log(self, **row):
         """
-        Appends `row` (JSON) as one line, flushed. Raises an OSError naming the file when it cannot be written (a full
-        disk); the file is then closed, and a resume drops the torn last line.
+        Appends `row` (JSON) as one line, flushed. A value that is a float but not finite (NaN, inf) is written as
+        it is, never silently: one warning line on stderr names the field, the step and the file. Raises an OSError
+        naming the file when it cannot be written (a full disk); the file is then closed, and a resume drops the torn
+        last line.
         """
+        bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad and self.file is not None:
+            print(f"warning: {', '.join(f'{k}={row[k]}' for k in bad)} at step {row.get('step')} written to "
+                  f"{self.path}: not a finite number", file=sys.stderr, flush=True)
         if self.file is not None and not self.file.closed:
             try:
                 with os_errors_name(self.path):

@@ -32,17 +32,22 @@ def fit_conversation(ids, mask, max_len, policy="truncate"):
     """
     Applies the long-conversation policy to one rendered conversation (ids, mask: equal-length lists of int).
     Returns (ids, mask, status): status "ok" (unchanged, len <= max_len), "truncated" (cut to the first max_len
-    tokens) or "dropped" (ids and mask are None). Raises ValueError for an unknown policy or max_len < 2.
+    tokens), "dropped" (too long under "drop") or "no_target" (no target token left, count_targets 0: a row whose
+    long prompt the truncation cut before any reply; its loss would be 0 / 0); ids and mask are None for the last two.
+    Raises ValueError for an unknown policy or max_len < 2.
     """
     if policy not in LONG_POLICIES:
         raise ValueError(f"long_conversations={policy!r}: expected one of {LONG_POLICIES}")
     if max_len < 2:
         raise ValueError(f"max_len={max_len}: a conversation needs at least 2 tokens to have a target")
-    if len(ids) <= max_len:
-        return ids, mask, "ok"
-    if policy == "drop":
-        return None, None, "dropped"
-    return ids[:max_len], mask[:max_len], "truncated"
+    status = "ok"
+    if len(ids) > max_len:
+        if policy == "drop":
+            return None, None, "dropped"
+        ids, mask, status = ids[:max_len], mask[:max_len], "truncated"
+    if count_targets(mask) == 0:
+        return None, None, "no_target"
+    return ids, mask, status
 
 
 def conversation_xy(ids, mask):

@@ -43,6 +43,7 @@ from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.gpt import GPT, build_model, config_from_depth
 from nanotrain.hardware import get_peak_flops, synchronize
 from nanotrain.loss_eval import evaluate_bpb
+from nanotrain.model_memory import check_model_fits
 from nanotrain.optim import adamw_lr_scale, compile_optimizer_step, setup_optimizers
 from nanotrain.recompute import policy_name
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
@@ -160,6 +161,7 @@ def main():
                           else (1.0, 1.0))
     matrix_lr, embedding_lr, unembedding_lr, scalar_lr = (config[k] * lr_scale for k in (
         "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"))
+    check_model_fits(model_config, device, f"--depth={depth}", world_size if use_fsdp else 1)  # before any memory
     muon_wd = config["muon_weight_decay"]
     if muon_wd is None:  # 0.4, shrinking with the width squared above model_dim 512 (not transferred)
         muon_wd = training.muon_weight_decay_for(model_config.model_dim)

@@ -22,8 +22,6 @@ range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body
 that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --host says otherwise.
 """
 
-import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
-
 import asyncio
 import json
 import os
@@ -33,6 +31,7 @@ import uuid
 
 import torch
 
+import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure

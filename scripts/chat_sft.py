@@ -157,15 +157,19 @@ def find_source_dir():
     return run_dir, source
 
 
-def render_all(tokenizer, convs, max_len):
-    """Renders conversations and applies the long-conversation policy. Returns ([(ids, mask)], truncated, dropped)."""
-    out, counts = [], {"ok": 0, "truncated": 0, "dropped": 0}
+def render_all(tokenizer, convs, max_len, split):
+    """Renders conversations and applies the long-conversation policy. Returns ([(ids, mask)], truncated, dropped);
+    rows left with no target token are skipped, with one warning line giving their count."""
+    out, counts = [], {"ok": 0, "truncated": 0, "dropped": 0, "no_target": 0}
     for c in convs:
         ids, mask = tokenizer.render_conversation(c, max_tokens=2**62)
         ids, mask, status = fit_conversation(ids, mask, max_len, long_conversations)
         counts[status] += 1
         if ids is not None:
             out.append((ids, mask))
+    if counts["no_target"]:
+        print0(f"warning: {counts['no_target']} {split} conversations have no target token within {max_len} tokens "
+               f"(the prompt fills them): skipped")
     return out, counts["truncated"], counts["dropped"]
 
 
@@ -231,9 +235,10 @@ def main():
     t0 = time.time()
     spec = tasks + (f",jsonl:{jsonl}" if jsonl else "")
     max_len = min(max_seq_len, max_tokens_per_device)
-    train, n_trunc, n_drop = render_all(tokenizer, load_task_mixture(spec, "train", seed, skip_bad_rows), max_len)
+    train, n_trunc, n_drop = render_all(tokenizer, load_task_mixture(spec, "train", seed, skip_bad_rows), max_len,
+                                        "train")
     val_convs = load_task_mixture(spec, "val", seed, skip_bad_rows)[:eval_examples]
-    val, v_trunc, v_drop = render_all(tokenizer, val_convs, max_len)
+    val, v_trunc, v_drop = render_all(tokenizer, val_convs, max_len, "val")
     if not train:
         raise UserError(f"--tasks={spec!r}: no training conversation left (after --long_conversations="
                         f"{long_conversations} at {max_len} tokens)")
@@ -350,14 +355,22 @@ def main():
                    + " ".join(f"{n} {r['accuracy']:.3f}" for n, r in results.items())
                    + f" | {chatcore_max_problems} problems each | {time.time() - t0:.1f}s")
             metrics.log(step=step, chatcore=score, **{f"chatcore_{n}": r["accuracy"] for n, r in results.items()})
-        # greedy answers to a few validation questions
+        # greedy answers to a few validation questions: shown, never able to fail the run (it is saved above)
         if master and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
             engine = Engine(orig_model, tokenizer)
             for c in val_convs[:3]:
                 prompt = tokenizer.render_for_completion(c)
-                with autocast_ctx:
-                    out = engine.generate([prompt], max_tokens=48, temperature=0.0, tool=True)[0]
-                print0(f"sample: {c['messages'][-2]['content']!r} -> {tokenizer.decode(out)!r}")
+                if len(prompt) + 48 > orig_model.config.max_seq_len:
+                    print0(f"sample: skipped, its prompt of {len(prompt)} tokens leaves no room for an answer")
+                    continue
+                try:
+                    with autocast_ctx:
+                        out = engine.generate([prompt], max_tokens=48, temperature=0.0, tool=True)[0]
+                except Exception as e:  # the sample is a glance at the model, not part of the run's result
+                    print0(f"warning: a sample failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                           f"the run goes on")
+                    continue
+                print0(f"sample: {c['messages'][-2]['content'][:200]!r} -> {tokenizer.decode(out)!r}")
         if last_step:
             break
 

@@ -274,13 +274,18 @@ def main():
                 continue
             print0(f"step {step:05d}/{total_steps:05d} | val bpb {val_bpb:.4f} | eval {time.time() - t0:.1f}s")
             metrics.log(step=step, val_bpb=val_bpb)
-        # greedy chat answers to a few fixed questions
+        # greedy chat answers to a few fixed questions: shown, never able to fail the run (it is saved above)
         if master and (last_step or (sample_every > 0 and step % sample_every == 0 and step > 0)):
             engine = Engine(orig_model, tokenizer)
             for q in SAMPLE_QUESTIONS:
                 prompt = tokenizer.render_for_completion({"messages": [{"role": "user", "content": q}]})
-                with autocast_ctx:
-                    out = engine.generate([prompt], max_tokens=32, temperature=0.0, tool=True)[0]
+                try:
+                    with autocast_ctx:
+                        out = engine.generate([prompt], max_tokens=32, temperature=0.0, tool=True)[0]
+                except Exception as e:  # the sample is a glance at the model, not part of the run's result
+                    print0(f"warning: a sample failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                           f"the run goes on")
+                    continue
                 print0(f"sample: {q!r} -> {tokenizer.decode(out)!r}")
         if last_step:
             break

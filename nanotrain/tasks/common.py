@@ -207,7 +207,7 @@ def check_local_file(path, ext):
                     continue
                 try:
                     row = json.loads(raw.decode("utf-8"))
-                except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
+                except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, nesting too deep
                     raise UserError(f"{path}:{n}: not a UTF-8 JSON line ({str(e).splitlines()[0][:100]}); the local "
                                     f"copy is damaged") from None
                 if not isinstance(row, dict):

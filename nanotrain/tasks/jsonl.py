@@ -45,7 +45,7 @@ def load_jsonl(path, skip_bad_rows=None):
             try:
                 obj = json.loads(raw.decode("utf-8"))
                 problem = validate_conversation(obj)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting too deep
                 problem = f"not a valid UTF-8 JSON line ({str(e).splitlines()[0][:80]})"
             if problem is not None:
                 if not skip_bad_rows:
