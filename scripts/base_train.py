@@ -145,6 +145,7 @@ def main():
     model_config = config_from_depth(depth, vocab_size, max_seq_len, value_embeds=value_embeds, smear=smear,
                                      backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale)
 
+    check_model_fits(model_config, device, f"--depth={depth}", world_size if use_fsdp else 1)  # before any memory
     # ------------------------------------------------------------------------- horizon, total batch, lr and wd transfer
     # nanochat's recipe: the horizon D = target_param_data_ratio x scaling parameters (blocks + lm_head) in tokens,
     # D_ref the same for depth 12 (where the defaults were tuned, at 2^19 tokens per step); total_batch_size=-1 picks
@@ -161,7 +162,6 @@ def main():
                           else (1.0, 1.0))
     matrix_lr, embedding_lr, unembedding_lr, scalar_lr = (config[k] * lr_scale for k in (
         "matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr"))
-    check_model_fits(model_config, device, f"--depth={depth}", world_size if use_fsdp else 1)  # before any memory
     muon_wd = config["muon_weight_decay"]
     if muon_wd is None:  # 0.4, shrinking with the width squared above model_dim 512 (not transferred)
         muon_wd = training.muon_weight_decay_for(model_config.model_dim)
