@@ -1,0 +1,174 @@
+"""
+scripts/chat_serve.py as a client sees it: the server started in a subprocess on an ephemeral 127.0.0.1 port
+(--port=0, the bound port read from its first line), talked to with the official `openai` SDK and raw HTTP, on a
+tiny base model trained for 3 steps; greedy replies compared with nanotrain.engine.Engine's on the same checkpoint.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from helpers import REPO, TINY_TRAIN, run_script
+
+pytestmark = pytest.mark.smoke
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def server(shared_base_dir, tmp_path_factory):
+    """A 3-step base run and chat_serve.py serving it (api key "k"); yields (base_url, base dir); stops it after."""
+    base = tmp_path_factory.mktemp("serve")
+    os.symlink(shared_base_dir / "data", base / "data")
+    os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
+    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=3", "--run_name=tiny", base_dir=base)
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "chat_serve.py"), "--source=base",
+                          "--run_name=tiny", "--port=0", "--api_key=k", "--max_queue=4", "--max_body_bytes=20000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    seen = []
+    for line in p.stdout:  # the settings it overrides, then "serving ... on http://127.0.0.1:PORT"
+        seen.append(line)
+        if line.startswith("serving"):
+            break
+    else:
+        p.kill()
+        pytest.fail(f"the server did not start: {''.join(seen)[-3000:]}")
+    port = int(line.split("http://127.0.0.1:")[1].split()[0])
+    threading.Thread(target=p.stdout.read, daemon=True).start()  # keep its pipe drained
+    try:
+        yield f"http://127.0.0.1:{port}", base
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+
+
+def engine_reply(base, messages, max_tokens):
+    """The greedy reply of the served checkpoint through Engine directly, decoded, and its token count."""
+    os.environ["NANOTRAIN_BASE_DIR"] = str(base)
+    from nanotrain.checkpoint import load_model
+    from nanotrain.engine import Engine
+    model, tok, _, _ = load_model("base", "tiny", -1, torch.device("cpu"))
+    ids = tok.render_for_completion({"messages": messages})
+    out = Engine(model, tok).generate([ids], max_tokens, temperature=0.0, tool=True)[0]
+    return tok.decode(out), len(out)
+
+
+def readable(text):
+    """A reply as the client reads it: a calculator call <|python_start|>e<|python_end|><|output_start|>r<|output_end|>
+    shown as "[calculator: e -> r]" (as chat_cli shows it)."""
+    for token, shown in (("<|python_start|>", "[calculator: "), ("<|python_end|>", ""), ("<|output_start|>", " -> "),
+                         ("<|output_end|>", "]")):
+        text = text.replace(token, shown)
+    return text
+
+
+def post(url, body, key="k", raw=None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"}
+                                                                                   if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_sdk_streaming_and_not_equal_engines_greedy_reply(server):
+    """
+    The openai SDK, non-streaming and streaming (temperature 0, max_tokens 12): the text equals Engine's greedy tokens
+    decoded (chat_serve shows the calculator's tokens readably; this tiny model may call it), finish_reason is
+    "length" exactly when max_tokens new tokens came, usage counts the prompt and the reply, the streamed deltas
+    joined equal the non-streamed text, the first chunk carries the role and the last the finish_reason. Catches a
+    reply decoded token by token (split characters), wrong usage counts and a stream missing its role or finish.
+    """
+    url, base = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    want, n = engine_reply(base, messages, 12)
+    assert r.choices[0].message.content == readable(want)
+    assert r.choices[0].finish_reason == ("length" if n >= 12 else "stop")
+    assert r.usage.completion_tokens == n and r.usage.total_tokens == r.usage.prompt_tokens + n
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    assert [m.id for m in client.models.list().data] and "nanotrain-base-tiny-3" in client.models.list().data[0].id
+
+
+def test_bad_requests_get_an_error_object_and_the_server_goes_on(server):
+    """
+    Each bad input gets its status and one OpenAI error object naming the field, and the server answers a good
+    request afterwards: no key (401), a body over --max_body_bytes (413), not JSON (422), no messages, a bad role,
+    max_tokens beyond the context, temperature 3, top_k -1, a stop list of 5 (400). Catches a 500 or a traceback for
+    bad input, and a server that stops after one.
+    """
+    url, _ = server
+    good = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    cases = [
+        (dict(good), None, "", 401, None),
+        (None, b'{"messages": "' + b"x" * 30000 + b'"}', "k", 413, None),
+        (None, b"{not json", "k", 422, None),
+        ({"max_tokens": 2}, None, "k", 400, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, None, "k", 400, "messages[0].role"),
+        (dict(good, max_tokens=10**6), None, "k", 400, "max_tokens"),
+        (dict(good, temperature=3), None, "k", 400, "temperature"),
+        (dict(good, top_k=-1), None, "k", 400, "top_k"),
+        (dict(good, stop=["a", "b", "c", "d", "e"]), None, "k", 400, "stop"),
+    ]
+    for body, raw, key, status, param in cases:
+        got, obj = post(url, body, key=key, raw=raw)
+        assert got == status and set(obj) == {"error"} and obj["error"]["message"], (status, obj)
+        assert obj["error"]["param"] == param, obj
+    status, obj = post(url, good)
+    assert status == 200 and obj["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_concurrent_streams_each_equal_their_solo_reply(server):
+    """
+    Six streaming requests of different lengths at once (more than --max_queue=4 would get 429, so at most 4 are in
+    flight): each that is admitted streams exactly its solo greedy reply, the others get 429, and /health answers
+    meanwhile. Catches replies mixed between requests and a queue that is not bounded.
+    """
+    url, base = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    prompts = [f"Count to {i}." for i in range(6)]
+    results = [None] * len(prompts)
+
+    def one(i):
+        try:
+            chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompts[i]}],
+                                                    max_tokens=4 + i, temperature=0, stream=True)
+            results[i] = "".join(c.choices[0].delta.content or "" for c in chunks)
+        except openai.RateLimitError:
+            results[i] = 429
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    served = [i for i, r in enumerate(results) if r != 429]
+    assert len(served) >= 4 and all(r in (429,) or isinstance(r, str) for r in results)
+    for i in served:
+        assert results[i] == readable(engine_reply(base, [{"role": "user", "content": prompts[i]}], 4 + i)[0]), i
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
+
+
+def test_the_chat_page_is_served(server):
+    """GET / is the chat page: one HTML file that posts to /v1/chat/completions with stream on and loads nothing
+    from another host. Catches a page that is missing or pulls a script from a CDN."""
+    url, _ = server
+    with urllib.request.urlopen(url + "/", timeout=10) as r:
+        html = r.read().decode()
+    assert r.status == 200 and "/v1/chat/completions" in html and "stream: true" in html
+    assert "http://" not in html and "https://" not in html
