@@ -15,8 +15,9 @@ Endpoints:
                              format has no system role (nanotrain.tokenizer.render_conversation). The calculator runs
                              inside generation; its call reaches the client as readable text, as chat_cli shows it.
   GET /v1/models, GET /health, GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
-Requests are decoded one at a time, in arrival order (at most --max_queue waiting; more get 429); a client that goes
-away mid-stream stops its generation at the next token. Errors are OpenAI error objects ({"error": {"message", "type",
+Requests are decoded together with continuous batching (nanotrain.batch_engine: a request joins the running batch at
+the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429); a client that goes away
+mid-stream frees its row within one decode step, and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
 "param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
 range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body over --max_body_bytes), 422 (JSON
 that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --host says otherwise.
@@ -25,17 +26,16 @@ that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --ho
 import asyncio
 import json
 import os
-import threading
 import time
 import uuid
 
 import torch
 
 import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
+from nanotrain.batch_engine import BatchEngine, QueueFull
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
-from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 
 # ----------------------------------------------------------------------------- settings
@@ -46,7 +46,9 @@ host = "127.0.0.1"  # the address to bind; 0.0.0.0 exposes the server to the net
 port = 8000  # the TCP port; 0 picks a free one (printed)
 api_key = ""  # require `Authorization: Bearer <api_key>`; "" reads NANOTRAIN_API_KEY, and none of both means no key
 max_tokens = 256  # new tokens of a reply when the request does not say
-max_queue = 16  # requests waiting for the model at most; more are answered 429
+context_len = 0  # tokens a request may hold (prompt + reply); 0 is the model's max_seq_len (at most 10x it)
+max_batch = 8  # requests decoded together at most (rows of the KV cache)
+max_queue = 16  # requests waiting for a free row at most; more are answered 429
 max_body_bytes = 1_000_000  # the largest request body; larger is answered 413
 max_messages = 64  # messages per request at most
 tool = True  # run the calculator tool when the model calls it
@@ -136,15 +138,14 @@ def parse_request(body, context_len, tokenizer):
     return ids, n, float(temperature), top_k or None, 42 if seed is None else seed, stop, stream
 
 
-def make_app(engine, tokenizer, model_id, key):
-    """The FastAPI app serving `engine` (decoding one request at a time). key: the bearer token required, or ""."""
+def make_app(batch, tokenizer, model_id, key):
+    """The FastAPI app serving `batch` (a nanotrain.batch_engine.BatchEngine). key: the bearer token required, or
+    ""."""
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     app = FastAPI(title="nanotrain", docs_url=None, redoc_url=None, openapi_url=None)
-    lock = threading.Lock()  # one generation at a time on the model
-    waiting = [0]  # requests admitted and not finished (their generation waits on the lock or runs)
-    context_len = engine.model.config.max_seq_len
+    context_len = batch.context_len
 
     def error(e):
         return JSONResponse(e.body(), status_code=e.status)
@@ -162,7 +163,7 @@ def make_app(engine, tokenizer, model_id, key):
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, "waiting": waiting[0]}
+        return {"status": "ok", "model": model_id, "decoding": batch.active(), "waiting": batch.waiting.qsize()}
 
     @app.get("/v1/models")
     async def models():
@@ -173,27 +174,26 @@ def make_app(engine, tokenizer, model_id, key):
         with open(HTML, encoding="utf-8") as f:
             return f.read()
 
-    def run(ids, n, temperature, top_k, seed, stop, halt, emit):
-        """Decodes under the lock; emit(text_delta) per readable piece; returns (finish_reason, completion_tokens)."""
+    def run(req, stop, emit):
+        """Reads the request's tokens as they come; emit(text_delta) per readable piece; returns (finish_reason,
+        completion_tokens)."""
         out, shown = [], ""
-        with lock:
-            for tok in engine.generate_stream(ids, n, temperature, top_k, seed, tool=tool):
-                if halt.is_set():
-                    return "stop", len(out)
-                out.append(tok)
-                text = readable(tokenizer.decode(out))
-                cut = min((text.find(s) for s in stop if s in text), default=-1)
-                if cut >= 0:
-                    if cut > len(shown):
-                        emit(text[len(shown):cut])
-                    return "stop", len(out)
-                if not text.endswith("\ufffd"):  # never half a character: wait for the token that completes it
-                    emit(text[len(shown):])
-                    shown = text
+        for tok in req:
+            out.append(tok)
             text = readable(tokenizer.decode(out))
-            if len(text) > len(shown):
+            cut = min((text.find(s) for s in stop if s in text), default=-1)
+            if cut >= 0:
+                req.cancel()
+                if cut > len(shown):
+                    emit(text[len(shown):cut])
+                return "stop", len(out)
+            if not text.endswith("\ufffd"):  # never half a character: wait for the token that completes it
                 emit(text[len(shown):])
-        return ("length" if len(out) >= n else "stop"), len(out)
+                shown = text
+        text = readable(tokenizer.decode(out))
+        if len(text) > len(shown):
+            emit(text[len(shown):])
+        return req.finish_reason or "stop", len(out)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -208,23 +208,21 @@ def make_app(engine, tokenizer, model_id, key):
             ids, n, temperature, top_k, seed, stop, stream = parse_request(body, context_len, tokenizer)
         except APIError as e:
             return error(e)
-        if waiting[0] >= max_queue:
+        try:
+            req = batch.submit(ids, n, temperature, top_k, seed, tool=tool)
+        except QueueFull:
             return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
                                   "rate_limit_error"))
-        waiting[0] += 1
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         loop = asyncio.get_running_loop()
-        queue, halt = asyncio.Queue(), threading.Event()
+        queue = asyncio.Queue()
 
         def work():
             try:
-                result = run(ids, n, temperature, top_k, seed, stop, halt,
-                             lambda d: loop.call_soon_threadsafe(queue.put_nowait, ("delta", d)))
+                result = run(req, stop, lambda d: loop.call_soon_threadsafe(queue.put_nowait, ("delta", d)))
                 loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
             except Exception as e:  # noqa: BLE001 - reaches the client as an error, the server goes on
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", str(e)))
-            finally:
-                loop.call_soon_threadsafe(lambda: waiting.__setitem__(0, waiting[0] - 1))
         loop.run_in_executor(None, work)
 
         def chunk(delta, finish=None):
@@ -247,7 +245,7 @@ def make_app(engine, tokenizer, model_id, key):
                             break
                     yield "data: [DONE]\n\n"
                 finally:
-                    halt.set()  # a client gone mid-stream: the generation stops at its next token
+                    req.cancel()  # a client gone mid-stream: its row is free at the next decode step
             return StreamingResponse(events(), media_type="text/event-stream")
         parts = []
         try:
@@ -260,7 +258,7 @@ def make_app(engine, tokenizer, model_id, key):
                 else:
                     break
         finally:
-            halt.set()
+            req.cancel()
         finish, completion_tokens = value
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
@@ -283,7 +281,9 @@ def main():
     model, tokenizer, path, meta = load_model(stage, run_name, step, device)
     model_id = f"nanotrain-{stage}-{os.path.basename(os.path.dirname(os.path.dirname(path)))}-{meta['step']}"
     key = api_key or os.environ.get("NANOTRAIN_API_KEY", "")
-    app = make_app(Engine(model, tokenizer), tokenizer, model_id, key)
+    if context_len > model.rotary_len:
+        raise UserError(f"--context_len={context_len}: at most {model.rotary_len} (10 x max_seq_len, the rotary table)")
+    app = make_app(BatchEngine(model, tokenizer, max_batch, max_queue, context_len or None), tokenizer, model_id, key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
     async def serve():
