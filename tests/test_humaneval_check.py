@@ -51,12 +51,13 @@ def token_grader(conv, completion):
     return result.passed and token in result.stdout
 
 
-def test_verdict_on_honest_code_is_nanochats():
+@pytest.mark.parametrize("trusted", [True, False], ids=["pinned-checker", "sandboxed-checker"])
+def test_verdict_on_honest_code_is_nanochats(trusted):
     """Each case's verdict equals the token grader's, and both pass and fail occur. Catches a trusted side that
     loses a type on the way (nan, -0.0, sets, bytes, complex, range, dict keys), turns a generator into a list (the
     == [...] case would pass), lets an exception or sys.exit(0) in the candidate pass, or runs the test without the
-    prompt's helpers or the entry point's own name."""
-    pairs = [(conversation(test), f"{PROMPT}    {body}\n") for body, test in CASES]
+    prompt's helpers or the entry point's own name. Both checkers: the pinned set's plain one and the sandboxed one."""
+    pairs = [(dict(conversation(test), trusted_test=trusted), f"{PROMPT}    {body}\n") for body, test in CASES]
     with ThreadPoolExecutor(4) as pool:
         expected = list(pool.map(lambda p: token_grader(*p), pairs))
     got = grade_humaneval(pairs)
