@@ -286,7 +286,7 @@ def main():
         if last_step or (eval_every > 0 and step % eval_every == 0):
             t0 = time.time()
             val_bpb = evaluate_bpb(model, val_batches(), eval_steps, token_bytes, autocast_ctx,
-                                   stop=lambda: any_rank(nanotrain.stop.requested, device), log_samples=core_log_samples)
+                                   stop=lambda: any_rank(nanotrain.stop.requested, device))
             if val_bpb is None:  # a stop request during the evaluation: save this step and stop
                 stop = True  # (a resumed run evaluates at its first step)
                 continue

@@ -15,6 +15,7 @@ from nanotrain import core_eval
 from nanotrain.chat_metrics import score_task
 from nanotrain.compare_samples import compare, main, mcnemar_exact, paired_interval
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.report import samples_comparison
 from nanotrain.samples import read_samples, write_samples
 from nanotrain.tasks.humaneval import grade_humaneval_detail, humaneval_conversation
 from nanotrain.tasks.registry import TASKS
@@ -181,11 +182,18 @@ def test_comparison_counts_flips_and_gives_mcnemar_by_hand(tmp_path, capsys):
     main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
     out = capsys.readouterr().out
     assert "spell" in out and "0.2188" in out and "Agresti & Min" in out
+    card = samples_comparison([("sft", str(tmp_path / "a.jsonl")), ("rl", str(tmp_path / "none.jsonl")),
+                               ("rl2", str(tmp_path / "b.jsonl"))])  # a stage without samples is passed over
+    assert "sft -> rl2" in card and "0.2188" in card and card.count("Paired comparison") == 1
+    write_samples(str(tmp_path / "other.jsonl"), _rows("identity", [1, 0]))
+    assert samples_comparison([("a", str(tmp_path / "a.jsonl")), ("b", str(tmp_path / "other.jsonl"))]) == ""
 
 
 def test_logs_are_off_by_default():
     """--log_samples and --core_log_samples default to False in the scripts (a default flipped on would write a file
     per problem on every run)."""
+    if not os.path.isdir(os.path.join(REPO, "scripts")):
+        pytest.skip("no scripts/ in this copy (mutation testing copies the package and the tests only)")
     for script, flag in (("chat_eval.py", "log_samples"), ("base_eval.py", "log_samples"),
                          ("base_train.py", "core_log_samples")):
         text = open(os.path.join(REPO, "scripts", script)).read()
