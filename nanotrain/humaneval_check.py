@@ -184,8 +184,8 @@ def check_humaneval_detail(program, prompt, test, entry_point, timeout_s=5.0, me
                            trusted_test=False):
     """
     check_humaneval with the reason: {"passed": bool, "outcome": "passed" | "failed" | "timed out" | "killed for
-    memory", "error": the exception line of the checker (or, when the program failed, of the program), at most
-    ERROR_CHARS characters, "" when it passed}. The program's output itself is never kept: a program that prints
+    memory", "error": the exception line of the checker, or of the program when the checker only saw it end, at
+    most ERROR_CHARS characters, "" when it passed}. The program's output itself is never kept: a program that prints
     10 MB leaves at most one short line here. trusted_test: the test and prompt are the verified pinned set
     (nanotrain.benchmarks checks their sha256) and run in a plain process with the grader's rights; otherwise (the
     hub's current revision, a local copy: data, not code this project vouches for) the checker runs in run_program's
@@ -250,10 +250,11 @@ def check_humaneval_detail(program, prompt, test, entry_point, timeout_s=5.0, me
                 os.close(fd)
     if passed:
         return {"passed": True, "outcome": "passed", "error": ""}
-    if program_result.timed_out or program_result.returncode not in (0, None):
-        return {"passed": False, "outcome": _outcome(program_result),
-                "error": _first_error_line(program_result.stderr) or _first_error_line(checker_error)}
-    return {"passed": False, "outcome": "failed", "error": _first_error_line(checker_error)}
+    error = _first_error_line(checker_error)
+    if not error or error.startswith(("EOFError", "BrokenPipeError")):  # the program ended first: its error says why
+        error = _first_error_line(program_result.stderr) or error
+    failed = program_result.timed_out or program_result.returncode not in (0, None)
+    return {"passed": False, "outcome": _outcome(program_result) if failed else "failed", "error": error}
 
 
 def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_bytes=256 * 2**20, trusted_test=False):
