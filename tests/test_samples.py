@@ -14,7 +14,9 @@ from helpers import REPO, write_benchmark_copy
 from nanotrain import core_eval
 from nanotrain.chat_metrics import score_task
 from nanotrain.compare_samples import compare, main, mcnemar_exact, paired_interval
+from nanotrain.execution import ExecutionResult
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.humaneval_check import _first_error_line, _outcome, check_humaneval
 from nanotrain.report import samples_comparison
 from nanotrain.samples import read_samples, write_samples
 from nanotrain.tasks.humaneval import grade_humaneval_detail, humaneval_conversation
@@ -148,6 +150,23 @@ def test_a_test_field_from_a_local_copy_cannot_write_a_file(bench, tmp_path):
                                                                      bench["humaneval"][0]["messages"][1]["content"])])
     assert not target.exists()
     assert got[0]["passed"] is False and got[1]["passed"] is True
+    # a direct call that does not say the test is trusted gets the sandbox as well
+    assert check_humaneval(c["messages"][1]["content"], row["prompt"], row["test"], "add") is False
+    assert not target.exists()
+
+
+def test_outcome_labels_and_error_lines():
+    """The record's outcome of a failed program (a SIGKILL, as the cgroup's memory limit sends, is "killed for
+    memory"; another signal is "failed") and its error line (the last non-blank line, never the truncation marker
+    nor a blank line). Catches a sign or signal number slip, and a blank or marker line taken for the error."""
+    def result(returncode, stderr="", timed_out=False):
+        return ExecutionResult(passed=False, timed_out=timed_out, returncode=returncode, stdout="", stderr=stderr)
+    assert _outcome(result(-9)) == "killed for memory" and _outcome(result(9)) == "failed"
+    assert _outcome(result(-10)) == "failed" and _outcome(result(None, timed_out=True)) == "timed out"
+    assert _outcome(result(1, "Traceback\nMemoryError\n")) == "killed for memory"
+    assert _first_error_line("Traceback\nValueError: x\n   \n") == "ValueError: x"
+    assert _first_error_line("ValueError: y\n... [12 bytes cut] ...\n") == "ValueError: y"
+    assert _first_error_line("E: " + "z" * 1000) == "E: " + "z" * 197 and _first_error_line("") == ""
 
 
 def _rows(task, outcomes):
