@@ -33,6 +33,7 @@ import torch.distributed as dist
 from nanotrain.common import atomic_write_json, atomic_write_text, print0
 from nanotrain.core_bundle import load_rows, read_bundle, verify_bundle
 from nanotrain.errors import UserError
+from nanotrain.samples import sample_row, write_samples
 
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
@@ -111,11 +112,14 @@ def example_tokens(tokenizer, task_type, prompts, max_len):
 
 
 @torch.no_grad()
-def score_example(model, task_type, tokens, starts, ends, gold, device, autocast_ctx=None):
+def score_example(model, task_type, tokens, starts, ends, gold, device, autocast_ctx=None, with_scores=False):
     """
     Whether `model` (a nanotrain GPT, not wrapped) answers one example right (bool), from example_tokens' output.
     multiple_choice / schema: the option with the lowest mean per-token loss over its span is compared with `gold`
     (int; the first option wins a tie); language_modeling: every span token is the argmax of the logits before it.
+    with_scores: return (right, scores) instead, scores one float per option as the protocol compares them: the mean
+    per-token loss in nats over the option's span (multiple choice, schema), or the number of span tokens that are
+    the argmax (language modelling: right when it equals the span's length).
     """
     ctx = autocast_ctx if autocast_ctx is not None else torch.autocast(device.type, enabled=False)
     if task_type == "language_modeling":
@@ -123,7 +127,9 @@ def score_example(model, task_type, tokens, starts, ends, gold, device, autocast
         x = torch.tensor([tokens[0][:e - 1]], dtype=torch.long, device=device)
         with ctx:
             logits = model(x, logits_from=s - 1)  # (1, e - s, vocab): the span's predictions only
-        return bool(torch.equal(logits[0].argmax(-1).cpu(), torch.tensor(tokens[0][s:e])))
+        hits = logits[0].argmax(-1).cpu() == torch.tensor(tokens[0][s:e])
+        right = bool(hits.all())
+        return (right, [float(hits.sum())]) if with_scores else right
     width = max(len(t) for t in tokens)
     x = torch.zeros(len(tokens), width, dtype=torch.long)
     y = torch.full((len(tokens), width), -1, dtype=torch.long)
@@ -133,16 +139,19 @@ def score_example(model, task_type, tokens, starts, ends, gold, device, autocast
     with ctx:
         loss = model(x.to(device), y.to(device), loss_reduction="none").view(len(tokens), width).float().cpu()
     means = [loss[i, s - 1:e - 1].mean().item() for i, (s, e) in enumerate(zip(starts, ends))]
-    return means.index(min(means)) == gold
+    right = means.index(min(means)) == gold
+    return (right, means) if with_scores else right
 
 
-def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=None):
+def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=None, samples=None):
     """
     The 0/1 outcomes (list of float, one per row of `rows`, in their order) of `task` (parse_task_list) on `rows`
     (already shuffled and cut: task_rows). Rows are strided over ranks (row i on rank i % world_size) and the
     outcomes summed in one all-reduce, so every rank returns the same list. The context is the model's
     config.max_seq_len. stop: optional callable, asked (collectively) every STOP_CHECK_EVERY rounds; when it returns
-    True the evaluation is abandoned and None returned.
+    True the evaluation is abandoned and None returned. samples: a list that gets every row's record
+    (nanotrain.samples.sample_row: the rendered prompts, the options' scores as "continuation_scores") on rank 0,
+    gathered from all ranks.
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -150,6 +159,7 @@ def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=
     was_training = model.training
     model.eval()
     outcomes = torch.zeros(len(rows), dtype=torch.float32, device=device)
+    mine = []  # this rank's sample records
     rounds = (len(rows) + world - 1) // world
     try:
         for r in range(rounds):
@@ -162,13 +172,37 @@ def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=
             prompts = render_prompts(task["task_type"], rows[i], task["delimiter"], shots)
             tokens, starts, ends = example_tokens(tokenizer, task["task_type"], prompts, max_len)
             gold = rows[i].get("gold", 0)
-            outcomes[i] = float(score_example(model, task["task_type"], tokens, starts, ends, gold, device,
-                                              autocast_ctx))
+            right, scores = score_example(model, task["task_type"], tokens, starts, ends, gold, device,
+                                          autocast_ctx, with_scores=True)
+            outcomes[i] = float(right)
+            if samples is not None:
+                mine.append(core_sample(task, i, prompts, tokens, starts, ends, gold, right, scores, tokenizer))
     finally:
         model.train(was_training)
     if world > 1:
         dist.all_reduce(outcomes, op=dist.ReduceOp.SUM)
+        if samples is not None:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, mine)
+            mine = sorted((r for part in gathered for r in part), key=lambda r: r["doc_id"])
+    if samples is not None and rank == 0:
+        samples += mine
     return outcomes.cpu().tolist()
+
+
+def core_sample(task, i, prompts, tokens, starts, ends, gold, right, scores, tokenizer):
+    """The sample record (nanotrain.samples.sample_row) of CORE row i: prompt (the gold option's rendered text),
+    prompts (every option's), target (gold index; language modelling: the continuation), resps (each option's
+    score, continuation_scores too), reply (the chosen option's scored text), extracted (its index)."""
+    if task["task_type"] == "language_modeling":
+        chosen = 0
+    else:
+        chosen = scores.index(min(scores))
+    spans = [tokenizer.decode(t[s:e]) for t, s, e in zip(tokens, starts, ends)]
+    return dict(sample_row(task["label"], "core", i, prompts[min(gold, len(prompts) - 1)],
+                           spans[0] if task["task_type"] == "language_modeling" else gold, spans[chosen], chosen,
+                           right, continuation_scores=scores, prompts=prompts, task_type=task["task_type"]),
+                resps=[[x] for x in scores])
 
 
 def centered(accuracy, baseline_percent):
@@ -177,24 +211,26 @@ def centered(accuracy, baseline_percent):
     return (accuracy - b) / (1.0 - b)
 
 
-def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_per_task=-1, stop=None):
+def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_per_task=-1, stop=None,
+                  log_samples=False):
     """
     CORE of `model` (a nanotrain GPT, not wrapped by DDP or torch.compile) on the extracted bundle in `bundle_dir`:
     {"core": float, "max_per_task": int, "order": [labels in core.yaml's order], "tasks": {label: {"accuracy",
     "centered", "baseline" (percent), "rows", "num_fewshot", "task_type", "seconds"}}}, the same on every rank
-    (collective under DDP).
+    (collective under DDP); with log_samples also "samples" (rank 0: every row's record, core_sample). A task's
+    accuracy is the mean of its rows' outcomes, the same numbers as the records' "acc".
     Returns None when `stop` (see evaluate_task) asked to stop. Raises UserError (one line, never a score) for a
     bundle whose files changed since nanotrain.core_bundle.ensure_bundle accepted them (verify_bundle, on every call)
     or that is not well formed (core_bundle.check_bundle's checks).
     """
     verify_bundle(bundle_dir)
     tasks, baselines = read_bundle(bundle_dir)
-    out = {}
+    out, samples = {}, ([] if log_samples else None)
     for task in tasks:
         t0 = time.time()
         rows = task_rows(load_rows(bundle_dir, task), max_per_task)
         try:
-            outcomes = evaluate_task(model, tokenizer, rows, task, device, autocast_ctx, stop)
+            outcomes = evaluate_task(model, tokenizer, rows, task, device, autocast_ctx, stop, samples)
         except (KeyError, IndexError, TypeError) as e:
             raise UserError(f"{task['label']} ({task['dataset_uri']}): a row lacks a {task['task_type']} field "
                             f"({type(e).__name__}: {e})") from None
@@ -209,15 +245,21 @@ def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_p
         print0(f"{task['label']:<34} {task['task_type']:<18} {task['num_fewshot']:>2}-shot {len(rows):>6} rows | "
                f"accuracy {acc:.4f} | centred {r['centered']:+.4f} | {r['seconds']:.1f}s")
     core = sum(r["centered"] for r in out.values()) / len(out)
-    return {"core": core, "max_per_task": max_per_task, "order": list(out), "tasks": out}
+    result = {"core": core, "max_per_task": max_per_task, "order": list(out), "tasks": out}
+    if samples is not None:
+        result["samples"] = samples
+    return result
 
 
 def write_results(run_dir, result, step):
     """
-    Writes result (evaluate_core's dict, with "step") to <run_dir>/core.json and the per-task table to
+    Writes result (evaluate_core's dict, with "step") to <run_dir>/core.json (its "samples", when there are, to
+    <run_dir>/core_samples.jsonl instead) and the per-task table to
     <run_dir>/core.csv (task, type, shots, rows, accuracy, centered, baseline), atomically. Returns the JSON path.
     """
     result = dict(result, step=step)
+    if "samples" in result:
+        write_samples(os.path.join(run_dir, "core_samples.jsonl"), result.pop("samples"))
     json_path = os.path.join(run_dir, "core.json")
     atomic_write_json(json_path, result)
     lines = ["task,type,shots,rows,accuracy,centered,baseline_percent"]

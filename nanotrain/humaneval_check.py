@@ -4,17 +4,16 @@ code + the problem's test + check(entry_point), and reads its exit status; here 
 - the untrusted half, the prompt's imports + the reply's code, runs in nanotrain.execution's sandbox (same limits as
   nanochat: 5 s, 256 MB), followed by a small server that calls the function the test asks for and writes back
   repr(("ok", result)) or the name of the exception it raised, one line per call;
-- the test's half runs the problem's test and check(entry_point) in a process of its own that never executes model
+- the trusted half runs the problem's test and check(entry_point) in a process of its own that never executes model
   code: the prompt (benchmark text: the helpers some tests use, such as poly or encode_cyclic, come from it), then the
-  test, then check() with a candidate that forwards each call across a pipe. It runs in a sandbox of its own too
-  (run_program: another throwaway uid, or another bubblewrap namespace), because the test and the prompt come from a
-  data file (the hub's current revision, a local --data copy) that is not always the sha256-verified pinned set: a
-  `test` field that writes files or reads /root can do so only inside that sandbox, never with the grader's rights. Arguments and results cross as text and
+  test, then check() with a candidate that forwards each call across a pipe. Arguments and results cross as text and
   are read back by a literal-only parser (ast.literal_eval's grammar plus nan, inf, set(), frozenset(...) and
   range(...)), so no object the program made, with a rigged __eq__ or otherwise, ever reaches the test's asserts; a
   result that is an iterator (a generator, map, filter) crosses as its items and is an iterator again on the trusted
   side, so that tuple(candidate(x)) passes and candidate(x) == [...] fails as in nanochat. The verdict is that
-  process's exit status and last line: 0 and PASSED only when check() returned.
+  process's exit status: 0 only when check() returned. That process has the grader's rights only for the verified
+  pinned set (nanotrain.benchmarks checks its sha256); a test from anywhere else (the hub's current revision, a local
+  copy) is data, not code this project vouches for, and its checker runs in the sandbox as well.
 The program never sees the test or a token it could print: exiting early, printing from an atexit hook, an
 excepthook or a thread, or tracing around check() can only lose. A result that is not a literal (a custom object, a
 value whose repr fails) is a failed call, as is a reply too long, late or missing. Where this differs from nanochat on
@@ -28,20 +27,25 @@ mounted; with no isolation nothing is kept from it. A local copy (--data=/path) 
 
 import os
 import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from nanotrain.common import get_base_dir, print0
 from nanotrain.execution import isolation, reachable_by_others, run_program
 
 MAX_REPLY_BYTES = 4 * 2**20  # the longest result line the trusted side reads; longer is a failed call
+ERROR_CHARS = 200  # the most characters of a failed problem's error line that are kept
 
-# The test's side, run in a sandbox of its own (run_program): CHECKER_JOB's two pipe fds and the job (prompt, test,
-# entry_point, timeout_s) as JSON, then CHECKER. Exit status 0 and "PASSED" only when check(candidate) returned.
-CHECKER_JOB = "_FDS = ({to_program}, {from_program})\n_JOB = {job!r}\n"
+# The trusted side: `python -I -S -c CHECKER to_program_fd from_program_fd`, the job (prompt, test, entry_point,
+# timeout_s) as JSON on stdin. Exit status 0 and "PASSED" only when check(candidate) returned.
 CHECKER = r"""
 import ast, json, math, os, select, sys, time
-to_program, from_program = _FDS
-job = json.loads(_JOB)
+to_program, from_program = int(sys.argv[1]), int(sys.argv[2])
+job = json.load(sys.stdin)
 deadline = time.monotonic() + job["timeout_s"]
 MAX_REPLY = job["max_reply_bytes"]
 
@@ -159,36 +163,112 @@ _nanotrain_serve({calls}, {answers})
 """
 
 
-def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_bytes=256 * 2**20):
+def _first_error_line(text):
+    """The last non-empty line of a traceback or stderr text (the exception's line), cut to ERROR_CHARS; "" for
+    none."""
+    lines = [x.strip() for x in text.splitlines() if x.strip() and not x.startswith("... [")]
+    return lines[-1][:ERROR_CHARS] if lines else ""
+
+
+def _outcome(result):
+    """The sandbox outcome of a program's ExecutionResult that did not pass: "timed out", "killed for memory" (a
+    MemoryError or a SIGKILL, which is what the cgroup's memory limit sends) or "failed"."""
+    if result.timed_out:
+        return "timed out"
+    if result.returncode == -9 or "MemoryError" in result.stderr:
+        return "killed for memory"
+    return "failed"
+
+
+def check_humaneval_detail(program, prompt, test, entry_point, timeout_s=5.0, memory_bytes=256 * 2**20,
+                           trusted_test=False):
     """
-    Whether `program` (str: the prompt's imports and the reply's code, nanochat's program without its test) passes
-    the HumanEval test `test` (str defining check(candidate)) for the function `entry_point`, `prompt` (str) being
-    the problem's prompt (run on the test's side for the helpers the test uses). The program runs in run_program's
-    sandbox with timeout_s seconds and memory_bytes of address space; the test in a sandbox of its own that gets only
-    literals from the program (see the module docstring). Returns a bool; a program that fails, hangs, crashes
-    or answers something that is not a literal gives False. Raises what run_program raises (UserError when there is
-    no isolation and unsafe code is not allowed). Thread-safe.
+    check_humaneval with the reason: {"passed": bool, "outcome": "passed" | "failed" | "timed out" | "killed for
+    memory", "error": the exception line of the checker, or of the program when the checker only saw it end, at
+    most ERROR_CHARS characters, "" when it passed}. The program's output itself is never kept: a program that prints
+    10 MB leaves at most one short line here. trusted_test: the test and prompt are the verified pinned set
+    (nanotrain.benchmarks checks their sha256) and run in a plain process with the grader's rights; otherwise (the
+    hub's current revision, a local copy: data, not code this project vouches for) the checker runs in run_program's
+    sandbox too, under its own limits (timeout_s + 1 s, memory_bytes), still reaching the candidate only across the
+    pipe with literals. Raises what run_program raises.
     """
     import json
     calls_r, calls_w = os.pipe()
     answers_r, answers_w = os.pipe()
-    job = json.dumps({"prompt": prompt, "test": test, "entry_point": entry_point, "timeout_s": timeout_s,
-                      "max_reply_bytes": MAX_REPLY_BYTES})
-    checker = CHECKER_JOB.format(to_program=calls_w, from_program=answers_r, job=job) + CHECKER
-    with ThreadPoolExecutor(max_workers=1) as pool:  # the two sandboxes at once: they talk over the pipes
-        try:
-            verdict = pool.submit(run_program, checker, timeout_s=timeout_s + 1.0, memory_bytes=memory_bytes,
-                                  pass_fds=(calls_w, answers_r))
-        except BaseException:
-            for fd in (calls_r, calls_w, answers_r, answers_w):
+    job = {"prompt": prompt, "test": test, "entry_point": entry_point, "timeout_s": timeout_s,
+           "max_reply_bytes": MAX_REPLY_BYTES}
+    start = time.monotonic()
+    sandboxed = {}
+    try:
+        with tempfile.TemporaryFile() as verdict, tempfile.TemporaryFile() as errors:
+            if trusted_test:
+                try:
+                    checker = subprocess.Popen([sys.executable, "-I", "-S", "-c", CHECKER, str(calls_w),
+                                                str(answers_r)], stdin=subprocess.PIPE, stdout=verdict,
+                                               stderr=errors, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                               pass_fds=(calls_w, answers_r), start_new_session=True)
+                finally:
+                    os.close(calls_w)
+                    os.close(answers_r)
+                    calls_w = answers_r = None
+                try:
+                    checker.stdin.write(json.dumps(job).encode("utf-8"))
+                    checker.stdin.close()
+                except BrokenPipeError:
+                    pass
+            else:
+                code = (f"import io, sys\nsys.argv[1:] = [{str(calls_w)!r}, {str(answers_r)!r}]\n"
+                        f"sys.stdin = io.StringIO({json.dumps(job)!r})\n{CHECKER}")
+                fds = (calls_w, answers_r)
+                calls_w = answers_r = None
+                checker = threading.Thread(target=lambda: sandboxed.update(result=run_program(
+                    code, timeout_s=timeout_s + 1.0, memory_bytes=memory_bytes, pass_fds=fds)), daemon=True)
+                checker.start()
+            fds, calls_r, answers_w = (calls_r, answers_w), None, None  # run_program closes them
+            program_result = run_program(program + SERVE.format(calls=fds[0], answers=fds[1]), timeout_s=timeout_s,
+                                         memory_bytes=memory_bytes, pass_fds=fds)
+            if trusted_test:
+                try:
+                    returncode = checker.wait(timeout=max(0.0, start + timeout_s + 1.0 - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    checker.kill()
+                    returncode = checker.wait()
+                verdict.seek(0)
+                passed = returncode == 0 and verdict.read().splitlines()[-1:] == [b"PASSED"]
+                errors.seek(max(0, os.fstat(errors.fileno()).st_size - 4096))
+                checker_error = errors.read().decode("utf-8", errors="replace")
+            else:
+                checker.join()
+                if "result" not in sandboxed:
+                    raise RuntimeError("the sandboxed HumanEval checker did not run")
+                result = sandboxed["result"]
+                passed = result.passed and result.stdout.splitlines()[-1:] == ["PASSED"]
+                checker_error = result.stderr
+    finally:
+        for fd in (calls_r, answers_w, calls_w, answers_r):
+            if fd is not None:
                 os.close(fd)
-            raise
-        try:
-            run_program(program + SERVE.format(calls=calls_r, answers=answers_w), timeout_s=timeout_s,
-                        memory_bytes=memory_bytes, pass_fds=(calls_r, answers_w))
-        finally:
-            result = verdict.result()
-    return result.passed and result.stdout.splitlines()[-1:] == ["PASSED"]
+    if passed:
+        return {"passed": True, "outcome": "passed", "error": ""}
+    error = _first_error_line(checker_error)
+    if not error or error.startswith(("EOFError", "BrokenPipeError")):  # the program ended first: its error says why
+        error = _first_error_line(program_result.stderr) or error
+    failed = program_result.timed_out or program_result.returncode not in (0, None)
+    return {"passed": False, "outcome": _outcome(program_result) if failed else "failed", "error": error}
+
+
+def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_bytes=256 * 2**20, trusted_test=False):
+    """
+    Whether `program` (str: the prompt's imports and the reply's code, nanochat's program without its test) passes
+    the HumanEval test `test` (str defining check(candidate)) for the function `entry_point`, `prompt` (str) being
+    the problem's prompt (run on the checker's side for the helpers the test uses). The program runs in
+    run_program's sandbox with timeout_s seconds and memory_bytes of address space; the test in a checker process
+    that gets only literals from it (see the module docstring), a plain process only when trusted_test (the verified
+    pinned set), else sandboxed as well (check_humaneval_detail). Returns a bool; a program that fails, hangs,
+    crashes or answers something that is not a literal gives False. Raises what run_program raises (UserError when
+    there is no isolation and unsafe code is not allowed). Thread-safe.
+    """
+    return check_humaneval_detail(program, prompt, test, entry_point, timeout_s, memory_bytes, trusted_test)["passed"]
 
 
 def hide_answer_key():
@@ -206,10 +286,11 @@ def hide_answer_key():
 
 
 def check_all(jobs, timeout_s=5.0, memory_bytes=256 * 2**20, workers=4):
-    """[dict(program, prompt, test, entry_point)] -> list[bool] by check_humaneval, `workers` at a time, after
-    hide_answer_key()."""
+    """[dict(program, prompt, test, entry_point[, trusted_test])] -> list of check_humaneval_detail's dicts
+    ({"passed", "outcome", "error"}), `workers` at a time, after hide_answer_key()."""
     if not jobs:
         return []
     hide_answer_key()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda j: check_humaneval(**j, timeout_s=timeout_s, memory_bytes=memory_bytes), jobs))
+        return list(pool.map(lambda j: check_humaneval_detail(**j, timeout_s=timeout_s, memory_bytes=memory_bytes),
+                             jobs))

@@ -164,19 +164,24 @@ def core_table(core):
 def chat_eval_comparison(run_name, run_dir):
     """
     A markdown table comparing the chat eval accuracy of every stage of `run_name` that has a chat_eval.json (e.g. the
-    base model, the baseline, against the SFT model), plus `run_dir`'s; "" when fewer than two stages have one.
+    base model, the baseline, against the SFT model), plus `run_dir`'s; "" when fewer than two stages have one. Two
+    consecutive stages that both wrote chat_eval_samples.jsonl (--log_samples=True) on shared problems also get their
+    paired comparison (samples_comparison).
     """
     dirs = dict(find_stage_dirs(run_name))
     dirs.pop("eval", None)
-    evals = {}
+    evals, sample_files = {}, {}
     for stage, d in dirs.items():
         e = _read_json(os.path.join(d, "chat_eval.json"))
         if e:
             evals[stage] = e
+            sample_files[stage] = os.path.join(d, "chat_eval_samples.jsonl")
     if os.path.abspath(run_dir) not in [os.path.abspath(d) for d in dirs.values()]:
         e = _read_json(os.path.join(run_dir, "chat_eval.json"))
         if e:
-            evals[os.path.basename(os.path.dirname(os.path.abspath(run_dir))) or "run"] = e
+            name = os.path.basename(os.path.dirname(os.path.abspath(run_dir))) or "run"
+            evals[name] = e
+            sample_files[name] = os.path.join(run_dir, "chat_eval_samples.jsonl")
     if len(evals) < 2:
         return ""
     tasks = list(dict.fromkeys(t for e in evals.values() for t in e.get("results", {})))
@@ -188,8 +193,27 @@ def chat_eval_comparison(run_name, run_dir):
     if any(e.get("chatcore") is not None for e in evals.values()):
         lines.append("| ChatCORE | " + " | ".join(f"{e['chatcore']:.4f}" if e.get("chatcore") is not None else ""
                                                   for e in evals.values()) + " |")
+    paired = samples_comparison([(k, sample_files[k]) for k in evals])
     return ("Accuracy by stage (greedy decoding; the built-in tasks' validation split, the benchmarks' test "
-            "split):\n\n" + "\n".join(lines))
+            "split):\n\n" + "\n".join(lines) + (f"\n\n{paired}" if paired else ""))
+
+
+def samples_comparison(stage_files):
+    """
+    Markdown: for each consecutive pair of [(stage, sample file path)] whose files both exist and share problems,
+    nanotrain.compare_samples' table (flips, the difference with its 95% paired interval, the exact McNemar p);
+    "" when no pair has. Raises UserError for a sample file that is not one.
+    """
+    from nanotrain.compare_samples import compare, format_comparison
+    from nanotrain.samples import read_samples
+    present = [(stage, path) for stage, path in stage_files if os.path.exists(path)]
+    parts = []
+    for (sa, pa), (sb, pb) in zip(present, present[1:]):
+        result = compare(read_samples(pa), read_samples(pb))
+        if any(r["problems"] for r in result.values()):
+            parts.append(f"Paired comparison {sa} -> {sb} on the same problems (Agresti & Min 2005 interval, exact "
+                         f"McNemar p):\n\n```\n{format_comparison(result, sa, sb)}\n```")
+    return "\n\n".join(parts)
 
 
 def auto_batch_text(record):

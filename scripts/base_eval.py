@@ -42,6 +42,7 @@ own_eval_bundle = False  # True: --eval_bundle is your own bundle, not compared 
 max_per_task = -1  # rows per CORE task (shuffled with a fixed seed, then cut); -1 means all
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 device_type = ""  # cuda | mps | cpu; "" autodetects
+log_samples = False  # also write core_samples.jsonl next to core.json: one record per CORE row (prompts, every option's score, correct)
 lm_eval_tasks = ""  # harness tasks (comma-separated) instead of CORE, on the checkpoint exported for transformers
 lm_eval_include = ""  # a directory of local harness task YAMLs (e.g. with local data files, offline)
 config = configure(globals())
@@ -68,12 +69,12 @@ def main():
             atomic_write_json(os.path.join(run_dir, "gold_bpb.json"), dict(result, step=meta.get("step"),
                                                                            checkpoint=path))
         return
-    result = evaluate_core(model, tokenizer, bundle, device, autocast_ctx, max_per_task)
+    result = evaluate_core(model, tokenizer, bundle, device, autocast_ctx, max_per_task, log_samples=log_samples)
     print0(f"CORE {result['core']:.4f} ({len(result['tasks'])} tasks"
            + (f", at most {max_per_task} rows each" if max_per_task > 0 else "") + f"; {time.time() - t_start:.0f}s)")
     if rank == 0:
         out = write_results(run_dir, dict(result, checkpoint=path, bundle=bundle), meta.get("step"))
-        print0(f"saved {out} and core.csv")
+        print0(f"saved {out} and core.csv" + (" and core_samples.jsonl" if log_samples else ""))
         # the results are saved: a report card that cannot be written is one warning line, not a failure
         report = write_section_or_warn(os.path.basename(run_dir), "base", run_dir)
         if report:

@@ -103,6 +103,7 @@ save_every = 1000  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
 core_every = -1  # -1 or >= 1: steps between CORE evaluations (and at the end, not at 0); each step saved before it
 core_max_per_task = 500  # -1 or >= 1: rows per CORE task in the loop (-1: all)
+core_log_samples = False  # also write core_samples.jsonl (one record per CORE row) next to core.json at each CORE evaluation
 eval_bundle = ""  # a CORE eval bundle directory copied by hand; "" downloads it once into <base_dir>/eval_bundle
 own_eval_bundle = False  # True: --eval_bundle is your own bundle, not compared with the pinned one (only checked)
 gold_bpb_every = -1  # -1 or >= 1: steps between gold-answer bpb evaluations (NOT CORE; nanotrain/gold_bpb.py)
@@ -335,7 +336,7 @@ def main():
         if core_due:
             t0 = time.time()
             core = evaluate_core(orig_model, tokenizer, bundle, device, autocast_ctx, core_max_per_task,
-                                 stop=lambda: any_rank(nanotrain.stop.requested, device))
+                                 stop=lambda: any_rank(nanotrain.stop.requested, device), log_samples=core_log_samples)
             if core is None:  # a stop request during CORE: this step is saved (above), stop here
                 print0(f"Stopped at step {step} during CORE; its checkpoint is saved: resume with --resume=True")
                 break

@@ -32,6 +32,7 @@ from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.execution import require_isolation
 from nanotrain.report import write_section_or_warn
+from nanotrain.samples import write_samples
 from nanotrain.tasks.common import resolve_source
 from nanotrain.tasks.jsonl import load_jsonl
 from nanotrain.tasks.registry import BENCHMARKS, TASKS, parse_task_names
@@ -49,6 +50,7 @@ temperature = 0.0  # 0 is greedy
 top_k = 50  # sampling among the top_k tokens (0: all)
 batch_size = 64  # prompts per forward (multiple choice) and per KV cache (generation)
 tool = True  # run the calculator tool when the model calls it (False: the model writes the tool's output itself)
+log_samples = False  # also write chat_eval_samples.jsonl: one record per problem (prompt, reply, extracted answer, correct, the kind's details)
 unsafe_code = False  # run HumanEval's model-written code even with no isolation (not root and no bubblewrap): it can then read this user's secrets and kill this process
 device_type = ""  # cuda | mps | cpu; "" autodetects
 config = configure(globals())
@@ -65,14 +67,14 @@ def main():
 
     # ------------------------------------------------------------------------- the problems
     # the benchmarks' test sets (fetched once, rank 0 first), the built-in tasks' val split, the JSONL
-    problem_sets, skipped = [], {}
+    problem_sets, skipped, splits = [], {}, {}
     data_source = resolve_source(data) if any(n in BENCHMARKS for n in names) else data  # the hub is asked once
     for name in names:
         if name in BENCHMARKS:
             convs, bad = rank0_first(lambda name=name: TASKS[name].load("test", data_source), device)
-            skipped[name] = len(bad)
+            skipped[name], splits[name] = len(bad), "test"
         else:
-            convs = TASKS[name].load("val")[0]
+            convs, splits[name] = TASKS[name].load("val")[0], "val"
         problem_sets.append((name, convs))
     if jsonl:
         problem_sets.append((f"jsonl:{os.path.basename(jsonl)}", load_jsonl(jsonl)[0]))
@@ -82,13 +84,15 @@ def main():
 
     # ------------------------------------------------------------------------- score every task
     # multiple choice by one forward, the others by greedy (or sampled) generation
-    results = {}
+    results, samples = {}, []
     for name, problems in problem_sets:
         problems = problems if max_problems < 0 else problems[:max_problems]
         t0 = time.time()
         r = score_task(model, tokenizer, engine, name, problems, max_tokens=max_tokens, num_samples=num_samples,
                        temperature=temperature, top_k=top_k, tool=tool, batch_size=batch_size, max_batch=batch_size,
-                       device=device)
+                       device=device, log_samples=log_samples, split=splits.get(name, "file"))
+        if "samples" in r:
+            samples += r.pop("samples")
         r["wall_time_s"] = time.time() - t0
         if name in BENCHMARKS:
             r.update(centred=centred(r["accuracy"], r["chance"]), skipped_rows=skipped[name], data=data_source)
@@ -116,6 +120,9 @@ def main():
         atomic_write_json(out, {"checkpoint": path, "step": meta.get("step"), "source": source, "config": config,
                                 "results": results, "chatcore": score})
         print0(f"saved {out}")
+        if log_samples:
+            write_samples(os.path.join(run_dir, "chat_eval_samples.jsonl"), samples)
+            print0(f"saved {len(samples)} sample records to {os.path.join(run_dir, 'chat_eval_samples.jsonl')}")
         # the results are saved: a report card that cannot be written is one warning line, not a failure
         report = write_section_or_warn(os.path.basename(run_dir), "eval", run_dir,
                                        {"wall_time_s": time.time() - t_start})

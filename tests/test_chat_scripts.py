@@ -26,13 +26,15 @@ def trained(shared_base_dir, tmp_path_factory):
 
 
 def test_chat_eval_on_base_model(trained, tmp_path):
-    """Exits 0, prints the accuracy table for every task (the JSONL set included) and saves chat_eval.json."""
+    """Exits 0, prints the accuracy table for every task (the JSONL set included) and saves chat_eval.json; with
+    --log_samples=True, chat_eval_samples.jsonl holds one record per problem whose correct count is each task's
+    total (catches records that disagree with the totals, or a task left out of the file)."""
     qa = tmp_path / "qa.jsonl"
     qa.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} + 1?"},
                                                      {"role": "assistant", "content": f"Answer: {i + 1}"}]})
                             for i in range(3)) + "\n")
     r = run_script("chat_eval.py", "--source=base", "--max_problems=4", "--max_tokens=12", f"--jsonl={qa}",
-                   base_dir=trained)
+                   "--log_samples=True", base_dir=trained)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:4] == ["task", "correct", "total", "accuracy"])
@@ -43,6 +45,11 @@ def test_chat_eval_on_base_model(trained, tmp_path):
     assert saved["source"] == "base" and saved["step"] == 3
     assert set(saved["results"]) == {"arith", "spell", "identity", "jsonl:qa.jsonl"}
     assert saved["results"]["arith"]["total"] == 4
+    samples = [json.loads(x) for x in open(os.path.join(trained, "base", "tiny", "chat_eval_samples.jsonl"))]
+    for task, res in saved["results"].items():
+        mine = [x for x in samples if x["task"] == task]
+        assert len(mine) == res["total"] and sum(x["correct"] for x in mine) == res["correct"]
+        assert all({"doc_id", "prompt", "reply", "extracted", "target", "calculator_calls"} <= set(x) for x in mine)
 
 
 def test_chat_cli_one_shot_and_interactive(trained):

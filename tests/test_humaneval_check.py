@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from nanotrain.execution import isolation, run_program
-from nanotrain.tasks.humaneval import grade_humaneval, humaneval_program
+from nanotrain.tasks.humaneval import grade_humaneval, grade_humaneval_detail, humaneval_program
 
 pytestmark = pytest.mark.unit
 if isolation() == "none":
@@ -51,12 +51,13 @@ def token_grader(conv, completion):
     return result.passed and token in result.stdout
 
 
-def test_verdict_on_honest_code_is_nanochats():
+@pytest.mark.parametrize("trusted", [True, False], ids=["pinned-checker", "sandboxed-checker"])
+def test_verdict_on_honest_code_is_nanochats(trusted):
     """Each case's verdict equals the token grader's, and both pass and fail occur. Catches a trusted side that
     loses a type on the way (nan, -0.0, sets, bytes, complex, range, dict keys), turns a generator into a list (the
     == [...] case would pass), lets an exception or sys.exit(0) in the candidate pass, or runs the test without the
-    prompt's helpers or the entry point's own name."""
-    pairs = [(conversation(test), f"{PROMPT}    {body}\n") for body, test in CASES]
+    prompt's helpers or the entry point's own name. Both checkers: the pinned set's plain one and the sandboxed one."""
+    pairs = [(dict(conversation(test), trusted_test=trusted), f"{PROMPT}    {body}\n") for body, test in CASES]
     with ThreadPoolExecutor(4) as pool:
         expected = list(pool.map(lambda p: token_grader(*p), pairs))
     got = grade_humaneval(pairs)
@@ -64,17 +65,25 @@ def test_verdict_on_honest_code_is_nanochats():
     assert True in got and False in got
 
 
-@pytest.mark.parametrize("body, timeout_s, limit_s", [("import time\n    time.sleep(60)", 1, 1 + 3),
-                                                      ("return 'x' * (8 * 2**20)", 1, 1 + 3),
-                                                      ("pass\nraise SystemExit(3)", 5, 4)])
-def test_stalls_and_crashes_fail_in_time(body, timeout_s, limit_s):
-    """A candidate that sleeps, one whose answer is longer than MAX_REPLY_BYTES, and a program that ends before it
-    serves: False, within the time limit plus the sweep (the crash well before its limit of 5 s). Catches a trusted side that waits for an
-    answer without a deadline, reads one without a bound, or waits out the limit after the program is gone."""
-    conv = conversation("assert candidate() is not None")
+@pytest.mark.parametrize("body, timeout_s, limit_s, outcome, error, trusted", [
+    ("import time\n    time.sleep(60)", 1, 1 + 3, "timed out", ("TimeoutError", "EOFError"), False),
+    ("return 'x' * (8 * 2**20)", 1, 1 + 3, "failed", "ValueError: the answer is too long", False),
+    ("return 'x' * (8 * 2**20)", 1, 1 + 3, "failed", "ValueError: the answer is too long", True),
+    ("pass\nraise SystemExit(3)", 5, 4, "failed", ("EOFError", "BrokenPipeError"), False),
+    ("return 1\nx = bytearray(2**30)", 5, 4, "killed for memory", "MemoryError", True)])
+def test_stalls_and_crashes_fail_in_time(body, timeout_s, limit_s, outcome, error, trusted):
+    """A candidate that sleeps, one whose answer is longer than MAX_REPLY_BYTES, a program that ends before it
+    serves, and one that takes 1 GiB against its 256 MiB: False, within the time limit plus the sweep (the crashes
+    well before their limit of 5 s), with the outcome and the exception's line the sample records show. Catches a
+    trusted side that waits for an answer without a deadline, reads one without a bound, or waits out the limit after
+    the program is gone; an outcome that calls a timeout or a memory kill a plain failure, and an error line taken
+    from the wrong process or cut to nothing."""
+    conv = dict(conversation("assert candidate() is not None"), trusted_test=trusted)
     start = time.monotonic()
-    assert grade_humaneval([(conv, f"{PROMPT}    {body}\n")], timeout_s=timeout_s) == [False]
+    got = grade_humaneval_detail([(conv, f"{PROMPT}    {body}\n")], timeout_s=timeout_s)
     assert time.monotonic() - start < limit_s
+    assert got[0]["passed"] is False and got[0]["outcome"] == outcome
+    assert got[0]["error"].startswith(error)  # a prefix or a tuple of them where two processes race
 
 
 def test_the_test_field_runs_sandboxed_not_with_the_graders_rights(tmp_path):

@@ -142,13 +142,15 @@ def grade_all(convs, key):
     return {name: sum(ok[i * len(convs):(i + 1) * len(convs)]) for i, name in enumerate(FORGERIES)}
 
 
-def test_forgeries_pass_nothing_on_a_handful(problems, answer_key):
+@pytest.mark.parametrize("trusted", [True, False], ids=["pinned-checker", "sandboxed-checker"])
+def test_forgeries_pass_nothing_on_a_handful(problems, answer_key, trusted):
     """Each forging method on three problems (among them tests that use a prompt helper and the entry point by
     name): 0 passes, while the canonical solutions pass 3/3 and each method forges the token grader (the wrong
     implementation this catches) on HumanEval/0. The base directory, readable by others before, is 0700 after as
     root. Catches a grader that reads the verdict from anything the program prints or how it exits, compares an
-    object the program made, or leaves the answer key readable."""
-    convs = [humaneval_conversation(r) for r in problems if r["task_id"] in HANDFUL]
+    object the program made, or leaves the answer key readable. Both checkers: the plain one the verified pinned set
+    gets (trusted_test) and the sandboxed one any other data gets."""
+    convs = [dict(humaneval_conversation(r), trusted_test=trusted) for r in problems if r["task_id"] in HANDFUL]
     before = {name: token_grader(convs[0], forgery(name, convs[0], answer_key)) for name in FORGERIES}
     assert all(before.values()), before
     assert grade_humaneval([(c, c["messages"][1]["content"]) for c in convs]) == [True] * len(HANDFUL)
@@ -162,8 +164,8 @@ def test_forgeries_pass_nothing_on_a_handful(problems, answer_key):
 def test_forgeries_pass_nothing_on_all_164(problems, answer_key):
     """Every forging method on all 164 problems: 0 passes each; the canonical solutions pass 164/164 and the empty
     bodies 0/164 (nanochat's verdict on honest code). Catches a grader that some problem's test lets a forgery
-    through (the rigged __eq__ passed 155/164 on the token grader)."""
-    convs = [humaneval_conversation(r) for r in problems]
+    through (the rigged __eq__ passed 155/164 on the token grader). The pinned set's plain checker (trusted_test)."""
+    convs = [dict(humaneval_conversation(r), trusted_test=True) for r in problems]
     assert sum(grade_humaneval([(c, c["messages"][1]["content"]) for c in convs])) == 164
     assert sum(grade_humaneval([(c, c["messages"][0]["content"] + "    pass\n") for c in convs])) == 0
     assert grade_all(convs, answer_key) == {name: 0 for name in FORGERIES}

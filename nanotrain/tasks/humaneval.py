@@ -9,7 +9,7 @@ HUMANEVAL_MEMORY per program.
 import re
 
 from nanotrain.humaneval_check import check_all
-from nanotrain.tasks.common import Task, load_test_set
+from nanotrain.tasks.common import Task, load_test_set, resolve_source
 
 HUMANEVAL_TIMEOUT_S = 5.0  # wall-clock limit per HumanEval program (nanochat's)
 HUMANEVAL_MEMORY = 256 * 2**20  # bytes of address space per HumanEval program (nanochat's)
@@ -55,15 +55,24 @@ def humaneval_program(conversation, completion):
 
 
 def grade_humaneval(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL_MEMORY, workers=SANDBOX_WORKERS):
+    """[(conversation, completion)] -> list[bool]: grade_humaneval_detail's "passed" of each."""
+    return [d["passed"] for d in grade_humaneval_detail(pairs, timeout_s, memory_bytes, workers)]
+
+
+def grade_humaneval_detail(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL_MEMORY, workers=SANDBOX_WORKERS):
     """
-    [(conversation, completion)] -> list[bool]: each reply graded by nanotrain.humaneval_check (`workers` at a time):
+    [(conversation, completion)] -> list of {"passed", "outcome", "error"} (humaneval_check.check_humaneval_detail):
+    each reply graded by nanotrain.humaneval_check (`workers` at a time):
     humaneval_program's text without its test (the prompt's imports and the reply's code) runs in
     nanotrain.execution's sandbox, and the test's check(entry_point) in a trusted process that calls the reply's
-    function across a pipe, so the verdict cannot be forged from inside the program. Raises UserError when there is
+    function across a pipe, so the verdict cannot be forged from inside the program. That process has the grader's
+    rights only for a conversation whose "trusted_test" is True (load() sets it for the verified pinned set only);
+    any other test runs sandboxed too. Raises UserError when there is
     no isolation for model-written code and --unsafe_code was not given (nanotrain.execution.require_isolation).
     """
     jobs = [{"program": f"{extract_imports(c['messages'][0]['content'])}\n\n{extract_program(r)}\n\n",
-             "prompt": c["messages"][0]["content"], "test": c["test"], "entry_point": c["entry_point"]}
+             "prompt": c["messages"][0]["content"], "test": c["test"], "entry_point": c["entry_point"],
+             "trusted_test": c.get("trusted_test") is True}
             for c, r in pairs]
     return check_all(jobs, timeout_s=timeout_s, memory_bytes=memory_bytes, workers=workers)
 
@@ -80,7 +89,16 @@ class HumanEval(Task):
 
     def load(self, split, source=None, seed=0):
         self.check_split(split)
-        return load_test_set(self, source or "auto")
+        source = resolve_source(source or "auto")
+        convs, skipped = load_test_set(self, source)
+        if source == "pinned":  # sha256-verified by nanotrain.benchmarks: its tests may run with the grader's rights
+            for c in convs:
+                c["trusted_test"] = True
+        return convs, skipped
+
+    def grade_detail(self, conversations, replies):
+        """grade_humaneval_detail of each (conversation, reply): {"passed", "outcome", "error"}."""
+        return grade_humaneval_detail(list(zip(conversations, replies)))
 
     def grade(self, conversation, reply):
         return grade_humaneval([(conversation, reply)])[0]
