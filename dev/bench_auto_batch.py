@@ -16,13 +16,12 @@ import time
 
 import torch
 
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.common import autodetect_device_type, run_script
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.search import discover_device_batch_size
+from nanotrain.common import autodetect_device_type, run_script, synchronize
 from nanotrain.configurator import configure
 from nanotrain.errors import UserError
 from nanotrain.gpt import config_from_depth
-from nanotrain.hardware import synchronize
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 
 depth = 4  # model depth (model_dim = 64 * depth)

@@ -21,10 +21,9 @@ from unittest import mock
 import torch
 
 from nanotrain.checkpoint import save_checkpoint
-from nanotrain.common import autodetect_device_type, get_base_dir, rng_state, run_script
+from nanotrain.common import autodetect_device_type, get_base_dir, rng_state, run_script, synchronize
 from nanotrain.configurator import configure
 from nanotrain.gpt import GPT, config_from_depth
-from nanotrain.hardware import synchronize
 from nanotrain.optim import setup_optimizers
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision
 

@@ -21,13 +21,12 @@ import time
 import torch
 
 from nanotrain.checkpoint import load_model
-from nanotrain.common import autodetect_device_type, run_script
+from nanotrain.common import autodetect_device_type, run_script, synchronize
 from nanotrain.configurator import configure
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
+from nanotrain.export.hf import export_hf, require_transformers
 from nanotrain.gpt import GPT, config_from_depth
-from nanotrain.hardware import synchronize
-from nanotrain.hf_export import export_hf, require_transformers
 from nanotrain.tokenizer import Tokenizer
 
 source = "rl"  # which training stage's checkpoint: base | mid | sft | rl

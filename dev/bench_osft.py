@@ -13,10 +13,9 @@ import time
 
 import torch
 
-from nanotrain.common import autodetect_device_type, run_script
+from nanotrain.common import autodetect_device_type, run_script, synchronize
 from nanotrain.configurator import configure
 from nanotrain.gpt import GPT, config_from_depth
-from nanotrain.hardware import synchronize
 from nanotrain.optim import setup_optimizers
 from nanotrain.osft import MATRIX_PATTERNS, OSFT, parse_matrices
 from nanotrain.training import forward_backward, micro_batches, optimizer_step, precision

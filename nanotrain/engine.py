@@ -25,9 +25,9 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from nanotrain.attention import KVCache
 from nanotrain.calculator import calculate
 from nanotrain.errors import UserError
-from nanotrain.gpt import KVCache
 
 MAX_BATCH = 64  # at most this many prompts share one KV cache
 

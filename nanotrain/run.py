@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nanotrain.common import all_reduce_scalar, any_rank, atomic_write_json, get_base_dir, is_distributed, print0
 from nanotrain.errors import UserError, os_errors_name
 from nanotrain.fsdp import is_fsdp
-from nanotrain.report import write_section_or_warn
+from nanotrain.report.card import write_section_or_warn
 
 try:  # POSIX (Linux, macOS); elsewhere runs are not locked
     import fcntl
@@ -259,7 +259,7 @@ def finish_run(model, run_dir, stage, metrics, t_start, summary):
     """
     The end of a training stage: checks that DDP replicas agree (check_replicas), prints the stage's summary line
     and where the outputs are, closes the metrics log and writes the stage's section of the report card
-    (nanotrain.report.write_section_or_warn, rank 0: one `warning: ...` line when it cannot be written, the stage
+    (nanotrain.report.card.write_section_or_warn, rank 0: one `warning: ...` line when it cannot be written, the stage
     still succeeds) with the stage's wall time since t_start (time.time() seconds).
     """
     check_replicas(model)

@@ -14,10 +14,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import any_rank
+from nanotrain.common import any_rank, check_compile_toolchain, fast_bf16
 from nanotrain.errors import UserError
 from nanotrain.fsdp import is_fsdp
-from nanotrain.hardware import check_compile_toolchain, fast_bf16
 
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -25,7 +24,7 @@ COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def precision(dtype, device):
     """
     Resolves the --dtype setting: "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls (AVX512-BF16
-    or AMX, as nanotrain.hardware.fast_bf16 decides it once per process; under torch.distributed the ranks agree, so
+    or AMX, as nanotrain.common.fast_bf16 decides it once per process; under torch.distributed the ranks agree, so
     every rank must call this), float32 elsewhere. Parameters, gradients and optimizer state stay fp32 in
     every case (autocast only lowers the matmuls). Returns (compute dtype, autocast context): (torch.bfloat16,
     torch.autocast(device.type, bfloat16)) or (torch.float32, nullcontext()).
@@ -293,7 +292,7 @@ def forward_backward(model, batches, autocast_ctx, *, loss_scale=None, catch_oom
 def optimizer_step(model, optimizers, lrm, momentum, grad_clip, *, skip_nonfinite=True):
     """
     One update of every optimizer: clip the (already synchronised, so global) gradient norm to grad_clip if > 0,
-    set each group's lr to initial_lr * lrm (lrm None: lrs as they are) and Muon's momentum (nanotrain.muon.Muon's
+    set each group's lr to initial_lr * lrm (lrm None: lrs as they are) and Muon's momentum (nanotrain.optim.Muon's
     groups, told by their "ns_steps" entry; momentum None: unchanged), step, and zero the gradients (set to None).
     If the global gradient norm is NaN/inf nothing is updated and the gradients are dropped (with the soft-capped
     loss a NaN gradient shows up a step before a NaN loss); the caller stops with check_finite on the returned norm.

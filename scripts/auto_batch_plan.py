@@ -1,14 +1,14 @@
 """
 Plan mode of the automatic device batch size: ESTIMATES, without a GPU, the largest device_batch_size of nanotrain's
 GPT at each depth for a CUDA device with device_memory_gb GiB (bf16 autocast, eager step), by measuring the training
-step with fake tensors (nanotrain.autobatch.probe.measure_fake_peak) in the search of nanotrain.autobatch.search.
+step with fake tensors (nanotrain.auto_batch_size.probe.measure_fake_peak) in the search of nanotrain.auto_batch_size.search.
 
     python scripts/auto_batch_plan.py --depths=12,20,26,32 --max_seq_len=2048 --device_memory_gb=80
 
 Prints a table (depth, activation checkpointing policy, params, probed device_batch_size, estimated peak GiB, fits)
 and the size found per depth and policy, with the share of the step's FLOPs the policy recomputes (counted with
 torch.utils.flop_counter on fake tensors). --activation_checkpointing=auto plans every policy (none, selective, full)
-and names the one base_train's auto would take (nanotrain.autobatch.policy.choose_policy):
+and names the one base_train's auto would take (nanotrain.auto_batch_size.policy.choose_policy):
 
     python scripts/auto_batch_plan.py --depths=20,26,32 --max_seq_len=2048 --device_memory_gb=80 \
         --activation_checkpointing=auto
@@ -25,15 +25,14 @@ import time
 
 import torch
 
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.policy import AUTO_MAX_RECOMPUTE, choose_policy, measure_recompute
-from nanotrain.autobatch.probe import GiB, measure_fake_peak
-from nanotrain.autobatch.search import candidate_batch_sizes, search_batch_size
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.policy import AUTO_MAX_RECOMPUTE, choose_policy, measure_recompute
+from nanotrain.auto_batch_size.probe import GiB, measure_fake_peak
+from nanotrain.auto_batch_size.search import candidate_batch_sizes, search_batch_size
 from nanotrain.common import rng_state, run_script, set_rng_state
 from nanotrain.configurator import configure
 from nanotrain.errors import UserError
-from nanotrain.gpt import GPT, config_from_depth
-from nanotrain.recompute import POLICIES, policy_name
+from nanotrain.gpt import GPT, POLICIES, config_from_depth, policy_name
 
 depth = None  # one depth (int); None: the depths below
 depths = "12,20,26,32"  # comma-separated depths

@@ -1,7 +1,7 @@
 """
-Evaluate a base checkpoint: CORE (the DCLM 22-task metric, computed as nanochat computes it: nanotrain/core_eval.py)
+Evaluate a base checkpoint: CORE (the DCLM 22-task metric, computed as nanochat computes it: nanotrain/evaluation/core_eval.py)
 or the gold-answer bits per byte of real benchmark rows (NOT CORE: a continuous signal for tiny models,
-nanotrain/gold_bpb.py). Writes core.json and core.csv (or gold_bpb.json) into the run directory and the CORE table
+nanotrain/evaluation/gold_bpb.py). Writes core.json and core.csv (or gold_bpb.json) into the run directory and the CORE table
 into the run's report card.
 
     python scripts/base_eval.py --run_name=d20                       # CORE of the newest checkpoint
@@ -10,7 +10,7 @@ into the run's report card.
     python scripts/base_eval.py --eval_bundle=DIR --own_eval_bundle=True   # your own bundle
     python scripts/base_eval.py --mode=gold_bpb --step=0             # not CORE: gold-answer bpb
     torchrun --standalone --nproc_per_node=8 scripts/base_eval.py    # rows strided over 8 ranks
-    python scripts/base_eval.py --lm_eval_tasks=hellaswag,arc_easy   # lm-evaluation-harness (nanotrain/lm_harness.py)
+    python scripts/base_eval.py --lm_eval_tasks=hellaswag,arc_easy   # lm-evaluation-harness (nanotrain/evaluation/lm_harness.py)
 
 The eval bundle (~162 MB, the one nanochat uses) is downloaded once per machine into <base_dir>/eval_bundle.
 """
@@ -24,13 +24,13 @@ import time
 from nanotrain.checkpoint import load_model
 from nanotrain.common import atomic_write_json, compute_init, print0, run_script
 from nanotrain.configurator import configure
-from nanotrain.core_bundle import ensure_bundle
-from nanotrain.core_eval import evaluate_core, write_results
 from nanotrain.downloads import rank0_first
 from nanotrain.errors import UserError
-from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
-from nanotrain.lm_harness import evaluate_checkpoint
-from nanotrain.report import write_section_or_warn
+from nanotrain.evaluation.core_bundle import ensure_bundle
+from nanotrain.evaluation.core_eval import evaluate_core, write_results
+from nanotrain.evaluation.gold_bpb import ensure_rows, evaluate_gold_bpb
+from nanotrain.evaluation.lm_harness import evaluate_checkpoint
+from nanotrain.report.card import write_section_or_warn
 from nanotrain.tokenizer import get_token_bytes
 from nanotrain.training import precision
 

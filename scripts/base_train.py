@@ -17,35 +17,35 @@ import time
 import torch
 
 from nanotrain import run, training
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.policy import discover_with_policy
-from nanotrain.autobatch.stepdown import OOMStepDown
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.model_memory import check_model_fits
+from nanotrain.auto_batch_size.policy import discover_with_policy
+from nanotrain.auto_batch_size.stepdown import OOMStepDown
 from nanotrain.checkpoint import check_resume, load_optimizers, resume_checkpoint, save_checkpoint
 from nanotrain.common import (
     all_reduce_scalar,
     any_rank,
     compute_init,
+    get_peak_flops,
     print0,
     rng_state,
     run_script,
     seed_everything,
     set_rng_state,
+    synchronize,
 )
 from nanotrain.configurator import configure
-from nanotrain.core_bundle import ensure_bundle
-from nanotrain.core_eval import evaluate_core, write_results
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
 from nanotrain.downloads import rank0_first
 from nanotrain.errors import UserError
+from nanotrain.evaluation.core_bundle import ensure_bundle
+from nanotrain.evaluation.core_eval import evaluate_core, write_results
+from nanotrain.evaluation.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.fsdp import gathered_root, shard_model
-from nanotrain.gold_bpb import ensure_rows, evaluate_gold_bpb
-from nanotrain.gpt import GPT, build_model, config_from_depth
-from nanotrain.hardware import get_peak_flops, synchronize
+from nanotrain.gpt import GPT, build_model, config_from_depth, policy_name
 from nanotrain.loss_eval import evaluate_bpb
-from nanotrain.model_memory import check_model_fits
 from nanotrain.optim import adamw_lr_scale, compile_optimizer_step, setup_optimizers
-from nanotrain.recompute import policy_name
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 
 # ----------------------------------------------------------------------------- settings
@@ -106,13 +106,13 @@ core_max_per_task = 500  # -1 or >= 1: rows per CORE task in the loop (-1: all)
 core_log_samples = False  # also write core_samples.jsonl (one record per CORE row) next to core.json at each CORE evaluation
 eval_bundle = ""  # a CORE eval bundle directory copied by hand; "" downloads it once into <base_dir>/eval_bundle
 own_eval_bundle = False  # True: --eval_bundle is your own bundle, not compared with the pinned one (only checked)
-gold_bpb_every = -1  # -1 or >= 1: steps between gold-answer bpb evaluations (NOT CORE; nanotrain/gold_bpb.py)
+gold_bpb_every = -1  # -1 or >= 1: steps between gold-answer bpb evaluations (NOT CORE; nanotrain/evaluation/gold_bpb.py)
 wandb_project = ""  # log metrics.jsonl's rows to this Weights & Biases project too (rank 0); "" is off
 resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
-activation_checkpointing = "none"  # none|selective|full|auto; nanotrain/recompute.py
+activation_checkpointing = "none"  # none|selective|full|auto; nanotrain/gpt.py
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
                                           "muon_weight_decay": (float,), "final_momentum": (float,),

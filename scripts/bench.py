@@ -17,7 +17,7 @@ nanotrain.common.GPU_PEAK_FLOPS (bf16 dense); on CPU: the (n=1024) matmul throug
 this process before and after the timed steps, the larger of the two (a busy machine lowers it, which would inflate
 MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
 torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
-(nanotrain.autobatch.probe.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
+(nanotrain.auto_batch_size.probe.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
 RSS (getrusage) over the run. --activation_checkpointing=selective (or full) measures the checkpointed step (both the
 timing and the memory estimate), e.g. --vs="--activation_checkpointing=selective" for its cost in tokens/s.
 --compile_optimizer=True compiles only the optimizer step (nanotrain.optim.compile_optimizer_step), e.g.
@@ -44,18 +44,15 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, record_function
 
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.probe import measure_fake_peak
-from nanotrain.common import all_reduce_scalar, compute_init, run_script, seed_everything
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.probe import measure_fake_peak
+from nanotrain.common import all_reduce_scalar, compute_init, get_peak_flops, run_script, seed_everything, synchronize
 from nanotrain.configurator import ConfigError, apply_overrides, configure, validate
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import iter_documents, resolve_data_files
 from nanotrain.errors import UserError
-from nanotrain.gpt import build_model, config_from_depth
-from nanotrain.hardware import get_peak_flops, synchronize
-from nanotrain.muon import ns_dtype_for
-from nanotrain.optim import compile_optimizer_step, setup_optimizers
-from nanotrain.recompute import policy_name
+from nanotrain.gpt import build_model, config_from_depth, policy_name
+from nanotrain.optim import compile_optimizer_step, ns_dtype_for, setup_optimizers
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
     forward_backward,
@@ -73,7 +70,7 @@ device_batch_size = 8  # rows per micro-batch
 total_batch_size = 4096  # tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len))
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
-activation_checkpointing = "none"  # none|selective|full, as base_train (nanotrain/recompute.py)
+activation_checkpointing = "none"  # none|selective|full, as base_train (nanotrain/gpt.py)
 compile_optimizer = None  # torch.compile the optimizer step (Muon's orthogonalisation, AdamW); None: as --compile
 device_type = ""  # cuda | mps | cpu; "" autodetects
 data = "builtin"  # training text, as in base_train
@@ -83,7 +80,7 @@ steps = 10  # timed optimizer steps (without --vs)
 threads = 0  # torch intra-op threads; 0 keeps torch's default
 prefetch = -1  # batches the loader's thread makes ahead; 0: off; -1: the loader's default (1 on CUDA, else 0)
 adamw = ""  # AdamW implementation: "" as setup_optimizers (fused on CUDA, torch's default elsewhere) | foreach | fused | for
-ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (nanotrain.muon.ns_dtype_for) | float32 | bfloat16
+ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (nanotrain.optim.ns_dtype_for) | float32 | bfloat16
 memory_estimate = True  # on CPU also run the MemTracker estimate of the step's peak memory (extra time)
 loader_seconds = 1.0  # how long to time the token loader alone
 tokenizer_chars = 1_000_000  # characters of documents for the tokenizer's encode throughput
@@ -252,7 +249,7 @@ class Setup:
                                  vocab_size=self.model_config.vocab_size, device=self.device,
                                  amp_dtype=self.compute_dtype)
         torch.set_rng_state(state)
-        return peak, "MemTracker estimate of the eager training step (nanotrain.autobatch.probe.measure_fake_peak)"
+        return peak, "MemTracker estimate of the eager training step (nanotrain.auto_batch_size.probe.measure_fake_peak)"
 
 
 def tokenizer_throughput(tokenizer, train_files, num_threads=4, max_chars=1_000_000, repeats=3):

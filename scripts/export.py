@@ -1,13 +1,13 @@
 """
 Export a trained checkpoint as one safetensors file (weights + model config in its metadata; no pickle to load), or
-with --format=hf as a Hugging Face transformers directory (model, tokenizer, chat template; nanotrain.hf_export).
+with --format=hf as a Hugging Face transformers directory (model, tokenizer, chat template; nanotrain.export.hf).
 
     python scripts/export.py                                   # newest sft run, newest checkpoint, fp32
     python scripts/export.py --source=base --run_name=d4 --step=400 --dtype=bfloat16 --out=/tmp/d4.safetensors
     python scripts/export.py --format=hf --out=/tmp/d4-hf       # needs transformers + tokenizers
 
 Writes <run_dir>/export/model.safetensors (--format=hf: the directory <run_dir>/export/hf) unless --out is given.
-Load the file with nanotrain.export.load_safetensors; the directory with
+Load the file with nanotrain.export.safetensors_file.load_safetensors; the directory with
 AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) and AutoTokenizer.from_pretrained(dir).
 With --verify=True (default) the export is loaded back and its logits on a fixed token row are compared with the
 checkpoint model's: identical for a float32 safetensors export, within 1e-5 for a float32 hf export (another
@@ -27,8 +27,8 @@ from nanotrain.checkpoint import load_model
 from nanotrain.common import run_script
 from nanotrain.configurator import configure
 from nanotrain.errors import UserError
-from nanotrain.export import export_safetensors, load_safetensors
-from nanotrain.hf_export import export_hf, require_transformers
+from nanotrain.export.hf import export_hf, require_transformers
+from nanotrain.export.safetensors_file import export_safetensors, load_safetensors
 
 format = "safetensors"  # safetensors (one file, this project's loader) | hf (a transformers directory)
 source = "sft"  # which training stage's checkpoints: base | mid | sft | rl

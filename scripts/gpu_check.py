@@ -87,8 +87,7 @@ def env_info():
 
     import torch
 
-    from nanotrain.common import git_commit
-    from nanotrain.hardware import get_peak_flops
+    from nanotrain.common import get_peak_flops, git_commit
     def version(name):  # the installed distribution's version (from its metadata: nothing is imported), or None
         try:
             return importlib.metadata.version(name)

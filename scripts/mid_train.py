@@ -23,9 +23,9 @@ import time
 import torch
 
 from nanotrain import run, training
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.autobatch.stepdown import OOMStepDown
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.search import discover_device_batch_size
+from nanotrain.auto_batch_size.stepdown import OOMStepDown
 from nanotrain.checkpoint import (
     check_resume,
     find_run_dir,
@@ -38,21 +38,21 @@ from nanotrain.common import (
     all_reduce_scalar,
     any_rank,
     compute_init,
+    get_peak_flops,
     print0,
     rng_state,
     run_script,
     seed_everything,
     set_rng_state,
+    synchronize,
 )
 from nanotrain.configurator import configure
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
-from nanotrain.gpt import GPTConfig, build_model
-from nanotrain.hardware import get_peak_flops, synchronize
+from nanotrain.gpt import GPTConfig, build_model, policy_name
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
-from nanotrain.recompute import policy_name
 from nanotrain.sft_data import ConversationTokenStream
 from nanotrain.tasks.registry import load_task_mixture
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
@@ -96,7 +96,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
-activation_checkpointing = "none"  # none|selective|full, as base_train's; nanotrain/recompute.py
+activation_checkpointing = "none"  # none|selective|full, as base_train's; nanotrain/gpt.py
 # continual fine-tuning
 osft_rank_ratio = 0.0  # [0, 1): orthogonal subspace fine-tuning: fraction of each matrix's top singular directions frozen
 osft_matrices = "attn,mlp"  # the matrices OSFT constrains, comma-separated: attn, mlp, lm_head

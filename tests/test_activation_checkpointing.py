@@ -1,7 +1,7 @@
 """
 Activation checkpointing (GPT.activation_checkpointing, --activation_checkpointing=none|selective|full|auto;
-nanotrain.recompute): same loss and gradients under every policy, less memory (measured with the
-fake-tensor MemTracker probe of nanotrain.autobatch) in the order none > selective > full, selective recomputing no
+nanotrain.gpt): same loss and gradients under every policy, less memory (measured with the
+fake-tensor MemTracker probe of nanotrain.auto_batch_size) in the order none > selective > full, selective recomputing no
 matmul FLOPs (counted), plan mode's estimate against a real CPU step per policy, a larger discovered device_batch_size
 under the same budget, a cache entry of its own, auto's choice, and the same losses in base_train.
 """
@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers import TINY_TRAIN, run_script
 
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.probe import GiB, measure_fake_peak
-from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
+from nanotrain.attention import KVCache
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.probe import GiB, measure_fake_peak
+from nanotrain.auto_batch_size.search import discover_device_batch_size
+from nanotrain.gpt import GPT, GPTConfig, config_from_depth
 
 TINY = GPTConfig(max_seq_len=32, vocab_size=64, n_layer=3, n_head=2, n_kv_head=1, model_dim=32, smear=True, backout=True,
                  x0_lambdas=True)  # every model option on
@@ -191,7 +192,7 @@ def test_recompute_flops_are_counted(monkeypatch):
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import nanotrain.recompute as recompute
+    import nanotrain.gpt as recompute
 
     def count(policy):
         with FakeTensorMode():
@@ -224,7 +225,7 @@ def test_plan_estimate_matches_a_real_cpu_step(policy):
     tensors than a real run (e.g. a policy that sees different ops under FakeTensorMode) or the builder's policy not
     reaching the model.
     """
-    from nanotrain.autobatch.probe import RealProbe
+    from nanotrain.auto_batch_size.probe import RealProbe
     config = config_from_depth(2, 256, 64)
     build = gpt_builder(config, activation_checkpointing=policy)
     torch.manual_seed(0)
@@ -239,7 +240,7 @@ def test_policy_names():
     """The names pass; auto only where allowed; True/False (the setting's old bool meaning, removed) and anything else
     is one UserError line naming the flag."""
     from nanotrain.errors import UserError
-    from nanotrain.recompute import policy_name
+    from nanotrain.gpt import policy_name
     assert [policy_name(v) for v in ("none", "selective", "full")] == ["none", "selective", "full"]
     assert policy_name("auto", allow_auto=True) == "auto"
     for bad, kwargs in (("auto", {}), ("partial", {}), (1, {}), ("Selective", {"allow_auto": True}), (True, {}),
@@ -255,7 +256,7 @@ def test_auto_choice_rule():
     the cheapest that fits at all; a required size (given device_batch_size): the cheapest reaching it, at any
     cost. Catches "largest size wins" (full, 128 rows for 27% more FLOPs at depth 20; 256 at depth 12 for 21%) and
     "cheapest that fits wins" (none, 16 rows, where selective gives 32 at no extra FLOP)."""
-    from nanotrain.autobatch.policy import choose_policy
+    from nanotrain.auto_batch_size.policy import choose_policy
     d20 = {"none": (16, 0.0), "selective": (32, 0.0), "full": (128, 0.27)}
     d12 = {"none": (64, 0.0), "selective": (64, 0.0), "full": (256, 0.21)}
     assert choose_policy(d20, 256) == "selective" and choose_policy(d20, 128) == "selective"
@@ -276,7 +277,7 @@ def test_auto_discovers_selective_where_none_does_not_fit(tmp_path, monkeypatch)
     writes the chosen discovery's record. Catches auto that returns the first discovery's policy or size, or keeps
     the last policy tried.
     """
-    from nanotrain.autobatch.policy import discover_with_policy
+    from nanotrain.auto_batch_size.policy import discover_with_policy
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     config = config_from_depth(2, 512, 64)
     peak16 = {ac: measure_fake_peak(gpt_builder(config, activation_checkpointing=ac), 16, max_seq_len=64,

@@ -1,5 +1,5 @@
 """
-Tests for nanotrain/autobatch/ on CPU: the search on a simulated device that raises
+Tests for nanotrain/auto_batch_size/ on CPU: the search on a simulated device that raises
 real torch.OutOfMemoryError, the candidate arithmetic, the byte margin, the OOM message table, the fake-tensor
 measurement (affine in B, optimizer state counted, equal to a real CPU step), probe hygiene, the cache, the logging
 contract, the brute-force acceptance check, the out-of-memory step-down of training (OOMStepDown), plan mode
@@ -21,15 +21,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import grads, rel, tiny_model
 
-import nanotrain.autobatch.builders as ab_builders
-import nanotrain.autobatch.cache as ab_cache
-import nanotrain.autobatch.probe as ab_probe
-import nanotrain.autobatch.search as ab_search
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.cache import cache_key, cache_path, drop_cached
-from nanotrain.autobatch.probe import measure_fake_peak
-from nanotrain.autobatch.search import candidate_batch_sizes, discover_device_batch_size, search_batch_size
-from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
+import nanotrain.auto_batch_size.builders as ab_builders
+import nanotrain.auto_batch_size.cache as ab_cache
+import nanotrain.auto_batch_size.probe as ab_probe
+import nanotrain.auto_batch_size.search as ab_search
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.cache import cache_key, cache_path, drop_cached
+from nanotrain.auto_batch_size.probe import measure_fake_peak
+from nanotrain.auto_batch_size.search import candidate_batch_sizes, discover_device_batch_size, search_batch_size
+from nanotrain.auto_batch_size.stepdown import OOMStepDown, next_smaller_candidate
 from nanotrain.common import compute_init
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
@@ -438,8 +438,8 @@ def test_rss_of_a_real_step_is_within_the_margin_of_the_fake_estimate():
     code = """
 import os, torch
 from nanotrain.gpt import GPTConfig
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.probe import measure_fake_peak, probe_step
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.probe import measure_fake_peak, probe_step
 torch.set_num_threads(1)
 build = gpt_builder(GPTConfig(max_seq_len=128, vocab_size=8192, n_layer=2, n_head=1, n_kv_head=1, model_dim=128))
 fake = measure_fake_peak(build, 16, max_seq_len=128, vocab_size=8192)
@@ -1127,7 +1127,7 @@ MEMINFO = "MemTotal:       16384000 kB\nMemFree:          524288 kB\nMemAvailabl
 def test_default_cpu_budget_is_half_of_memavailable_per_local_rank(monkeypatch, avail_kb, ranks, want):
     """
     The default CPU budget read from a literal /proc/meminfo (the expected bytes worked out by hand in the table, not
-    from nanotrain.autobatch.probe's own MemAvailable reader): half of MemAvailable per local rank, rounded down to whole GiB
+    from nanotrain.auto_batch_size.probe's own MemAvailable reader): half of MemAvailable per local rank, rounded down to whole GiB
     (256 MiB steps below 1 GiB, at least 256 MiB). Fails on a reader that takes MemFree (512 MiB here: every budget
     becomes 256 MiB) or forgets that /proc/meminfo counts kB, a fraction other than 1/2, a share not divided by the
     local ranks, and rounding up. On the real machine: a positive multiple of 256 MiB and at most a quarter of the

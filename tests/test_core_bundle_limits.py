@@ -1,5 +1,5 @@
 """
-What a CORE bundle zip or an own bundle's core.yaml may not do (nanotrain/core_bundle.py): a zip bomb is never
+What a CORE bundle zip or an own bundle's core.yaml may not do (nanotrain/evaluation/core_bundle.py): a zip bomb is never
 extracted, a member core.yaml does not name is never written, a num_fewshot that is not a count is one line. The
 zips are small and hand-made; a "3 GiB" member only declares its size (the central directory is edited), so no test
 writes or reads more than a few MB.
@@ -14,8 +14,8 @@ import zipfile
 import pytest
 from helpers import REPO
 
-from nanotrain import core_bundle
 from nanotrain.errors import UserError
+from nanotrain.evaluation import core_bundle
 
 pytestmark = pytest.mark.unit
 

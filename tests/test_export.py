@@ -1,5 +1,5 @@
 """
-safetensors export (nanotrain/export.py, scripts/export.py): an exported model reloads with equal logits.
+safetensors export (nanotrain/export/safetensors_file.py, scripts/export.py): an exported model reloads with equal logits.
 """
 
 import json
@@ -14,7 +14,7 @@ from helpers import TINY_TRAIN, run_script
 from safetensors import safe_open
 
 from nanotrain.errors import UserError
-from nanotrain.export import FORMAT, export_safetensors, load_safetensors
+from nanotrain.export.safetensors_file import FORMAT, export_safetensors, load_safetensors
 from nanotrain.gpt import GPT, GPTConfig
 
 # n_kv_head == n_head: the attention matrices are square, so a transposed one would load without a shape error

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanotrain.attention import KVCache
 from nanotrain.errors import UserError
-from nanotrain.gpt import GPT, GPTConfig, KVCache, config_from_depth
+from nanotrain.gpt import GPT, GPTConfig, config_from_depth
 from nanotrain.optim import setup_optimizers
 
 pytestmark = pytest.mark.unit

@@ -20,14 +20,14 @@ from helpers import rel, tiny_model
 from test_engine import prompts_for, random_model, tok, tool_model  # noqa: F401 (tok, tool_model: fixtures)
 
 import nanotrain.attention as attention_module
-from nanotrain.autobatch.builders import gpt_builder
-from nanotrain.autobatch.probe import GiB
-from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.autobatch.stepdown import OOMStepDown
+from nanotrain.auto_batch_size.builders import gpt_builder
+from nanotrain.auto_batch_size.probe import GiB
+from nanotrain.auto_batch_size.search import discover_device_batch_size
+from nanotrain.auto_batch_size.stepdown import OOMStepDown
 from nanotrain.common import compute_init
 from nanotrain.dataloader import TokenLoader
 from nanotrain.engine import Engine
-from nanotrain.export import export_safetensors, load_safetensors
+from nanotrain.export.safetensors_file import export_safetensors, load_safetensors
 from nanotrain.fsdp import shard_model
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.kernels import linear_cross_entropy

@@ -1,7 +1,7 @@
 """
 Parts of the GPU check (scripts/gpu_check.py) run in this process: it ends a step's whole process tree (Check.run: a
 worker that moved to a process session of its own, as torchrun's workers do, is ended whether the step exits or
-times out); its environment report on CUDA (env_info, and nanotrain.report.system_info) against tests/cuda_standin.py.
+times out); its environment report on CUDA (env_info, and nanotrain.report.card.system_info) against tests/cuda_standin.py.
 """
 
 import importlib.util
@@ -101,5 +101,5 @@ def test_environment_report_on_cuda(cuda_standin, monkeypatch):
     assert env["cuda_available"] and env["device_count"] == 1 and env["device_name"] == "NVIDIA H100 80GB HBM3"
     assert env["total_memory_bytes"] == 8 * GiB and env["capability"] == [9, 0]
     assert env["bf16_peak_flops"] == 989e12 and env["bf16_peak_source"] == "NVIDIA H100 80GB HBM3 bf16 dense datasheet peak"
-    from nanotrain.report import system_info
+    from nanotrain.report.card import system_info
     assert system_info()["device"] == "1 x NVIDIA H100 80GB HBM3"

@@ -1,5 +1,5 @@
 """
-The Hugging Face transformers export (nanotrain/hf_export.py, nanotrain/hf_modeling.py, scripts/export.py
+The Hugging Face transformers export (nanotrain/export/hf.py, nanotrain/export/hf_modeling.py, scripts/export.py
 --format=hf): a tiny GPT with every architecture option on, trained a few steps, exported and loaded back through
 AutoModelForCausalLM / AutoTokenizer from its directory, gives the project's fp32 logits (to 1e-5) under each of
 transformers' attention implementations, Engine's greedy tokens (generate, and continuous batching in the slow tier),
@@ -24,8 +24,8 @@ from nanotrain import hf_export  # noqa: E402
 from nanotrain.checkpoint import save_checkpoint  # noqa: E402
 from nanotrain.engine import Engine  # noqa: E402
 from nanotrain.errors import UserError
+from nanotrain.export.hf import export_hf, hf_tokenizer, require_transformers  # noqa: E402
 from nanotrain.gpt import GPT, GPTConfig  # noqa: E402
-from nanotrain.hf_export import export_hf, hf_tokenizer, require_transformers  # noqa: E402
 from nanotrain.tokenizer import Tokenizer  # noqa: E402
 
 SENTENCES = ["The cat sat on the mat. ", "What is 12 + 30? It is 42. ", "Hello there, how are you doing today? ",
@@ -289,7 +289,7 @@ def test_options_the_export_does_not_implement_are_refused(tok, tmp_path):
         assert str(err.value) == (f"the checkpoint was trained with {name}=True, an option the transformers export "
                                   f"does not implement (scripts/export.py --format=safetensors exports it)")
         assert os.listdir(tmp_path) == []
-    from nanotrain.hf_modeling import NanotrainConfig
+    from nanotrain.export.hf_modeling import NanotrainConfig
     with pytest.raises(ValueError, match="backout=True is not implemented"):
         NanotrainConfig(backout=True)
     assert not hasattr(NanotrainConfig(smear=False), "smear")
@@ -421,7 +421,7 @@ MC_ROWS = [{"question": "The cat sat on the", "choices": ["mat.", "cat", "42"], 
 def test_lm_eval_local_task_scores_the_project_loglikelihoods(exported, model, tok, tmp_path, monkeypatch):
     """
     lm-evaluation-harness (skipped where lm_eval is not installed) runs a local multiple-choice task YAML with local
-    JSONL rows, offline, on the exported directory (nanotrain.lm_harness.run_lm_eval): every request's
+    JSONL rows, offline, on the exported directory (nanotrain.evaluation.lm_harness.run_lm_eval): every request's
     log-likelihood equals the project GPT's summed log-probability of the continuation " choice" after <|bos|> +
     question (to 1e-4), and acc is the share of rows whose gold choice scores highest. Catches requests scored
     without <|bos|> (the project's documents start with it), an exported model the harness cannot load, and the
@@ -430,7 +430,7 @@ def test_lm_eval_local_task_scores_the_project_loglikelihoods(exported, model, t
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional (pip install lm_eval[hf])")
     import huggingface_hub.constants
 
-    from nanotrain.lm_harness import run_lm_eval
+    from nanotrain.evaluation.lm_harness import run_lm_eval
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     path, _, _ = exported

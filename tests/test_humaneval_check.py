@@ -1,5 +1,5 @@
 """
-nanotrain/humaneval_check.py on code that does not cheat: its verdict equals nanochat's (the whole program run with
+nanotrain/sandbox/humaneval_check.py on code that does not cheat: its verdict equals nanochat's (the whole program run with
 its test, pass = exit status 0 and a token printed at its end) on results of every literal type, iterators, nan and
 inf, exceptions, exits, prompt helpers and tests that name the entry point; a program that crashes fails at once; a
 stalled candidate or a reply too long fails within the time limit. Inline problems: no download.
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nanotrain.execution import isolation, run_program
+from nanotrain.sandbox.execution import isolation, run_program
 from nanotrain.tasks.humaneval import grade_humaneval, grade_humaneval_detail, humaneval_program
 
 pytestmark = pytest.mark.unit

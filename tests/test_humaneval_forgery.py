@@ -1,5 +1,5 @@
 """
-HumanEval verdicts a program cannot forge (nanotrain/humaneval_check.py through tasks.humaneval.grade_humaneval, the
+HumanEval verdicts a program cannot forge (nanotrain/sandbox/humaneval_check.py through tasks.humaneval.grade_humaneval, the
 real grading path): each forging method passes no problem, while the canonical solutions pass them all and empty
 bodies none. Each method is first shown to forge the grader it replaces (nanochat's whole program in the sandbox, a
 random token printed at its end, pass = exit 0 and the token in stdout), so that no test here is vacuous. The 164
@@ -17,9 +17,9 @@ import zipfile
 
 import pytest
 
-from nanotrain import benchmarks
 from nanotrain.errors import UserError
-from nanotrain.execution import isolation, run_program
+from nanotrain.sandbox.execution import isolation, run_program
+from nanotrain.tasks import benchmarks
 from nanotrain.tasks.humaneval import grade_humaneval, humaneval_conversation, humaneval_program
 
 pytestmark = pytest.mark.unit
@@ -180,7 +180,8 @@ common = types.ModuleType("nanotrain.common")
 common.UserError = type("UserError", (Exception,), {{}})
 common.get_base_dir, common.print0 = (lambda: "/nonexistent"), print
 sys.modules["nanotrain.common"] = common
-from nanotrain import execution, humaneval_check
+from nanotrain.sandbox import execution
+from nanotrain.sandbox import humaneval_check
 jobs = json.load(sys.stdin)
 print(json.dumps([execution.isolation(), [humaneval_check.check_humaneval(**j) for j in jobs]]))
 """
@@ -193,7 +194,7 @@ def test_forgeries_pass_nothing_as_non_root_under_bwrap(problems):
     the trusted side (the canonical solutions would fail)."""
     import subprocess
 
-    from nanotrain.sandbox_sweep import unused_uid
+    from nanotrain.sandbox.sweep import unused_uid
     if not (isolation() == "uid" and os.path.exists("/usr/bin/python3") and shutil.which("bwrap")):
         pytest.skip("needs root (to start an unprivileged user), /usr/bin/python3 and bwrap")
     base = tempfile.mkdtemp(prefix="nanotrain-forgery-", dir="/var/tmp")

@@ -1,13 +1,13 @@
 """A model too large for the device is refused in one line before any of its memory is taken
-(nanotrain/model_memory.py, scripts/base_train.py)."""
+(nanotrain/auto_batch_size/model_memory.py, scripts/base_train.py)."""
 
 import pytest
 import torch
 from helpers import run_script
 
+from nanotrain.auto_batch_size.model_memory import check_model_fits, device_memory_bytes
 from nanotrain.errors import UserError
 from nanotrain.gpt import config_from_depth
-from nanotrain.model_memory import check_model_fits, device_memory_bytes
 
 pytestmark = pytest.mark.unit
 

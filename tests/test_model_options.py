@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanotrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from nanotrain.gpt import GPT, GPTConfig, KVCache, segment_info
+from nanotrain.attention import KVCache, segment_info
+from nanotrain.checkpoint import load_checkpoint, save_checkpoint
+from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.optim import setup_optimizers
+from nanotrain.tensor_file import CheckpointError
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Tests for nanotrain/muon.py (and the optimizers of nanotrain/gpt.py) on CPU in fp32."""
+"""Tests for nanotrain/optim.py (and the optimizers of nanotrain/gpt.py) on CPU in fp32."""
 
 import copy
 import math
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.muon import Muon, normalize_variance, orthogonalize, zeropower_via_newtonschulz5
-from nanotrain.optim import setup_optimizers
+from nanotrain.optim import Muon, normalize_variance, orthogonalize, setup_optimizers, zeropower_via_newtonschulz5
 
 pytestmark = pytest.mark.unit
 
@@ -129,14 +128,14 @@ def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
     """
     Muon's Newton-Schulz dtype: "" picks bf16 on a CPU only where bf16 matmuls measure >= 2x fp32, else fp32; an
     explicit ns_dtype wins; the choice is made on real tensors even when first asked inside FakeTensorMode (a memory
-    probe of nanotrain.autobatch). Wrong variants caught: a fixed choice that ignores the measurement (both
+    probe of nanotrain.auto_batch_size). Wrong variants caught: a fixed choice that ignores the measurement (both
     outcomes are forced here through the measurement), or a measurement of fake tensors (its result would not be
     the real one).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import nanotrain.hardware as hardware
-    import nanotrain.muon as muon
+    import nanotrain.common as hardware
+    import nanotrain.optim as muon
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: None)  # a CPU that lists no flags: measured
     for bf16_speed, expected in ((4.5, torch.bfloat16), (1.5, torch.float32), (0.25, torch.float32)):
@@ -333,8 +332,8 @@ def test_ns_dtype_for_other_devices_and_the_2x_bar(monkeypatch):
     bf16 >= 2x fp32 inclusive: exactly 2x and 2.9x pick bf16, 1.99x fp32. Catches a mistyped device name, a
     missing dtype, `>` for `>=` and a 3x bar.
     """
-    import nanotrain.hardware as hardware
-    import nanotrain.muon as muon
+    import nanotrain.common as hardware
+    import nanotrain.optim as muon
 
     monkeypatch.setattr(hardware, "_FAST_BF16", {})
     assert muon.ns_dtype_for("cuda") == torch.bfloat16 and muon.ns_dtype_for(torch.device("cuda", 1)) == torch.bfloat16
@@ -354,8 +353,8 @@ def test_ns_dtype_for_reads_the_cpu_flags_without_timing(monkeypatch):
     or no flags) -> fp32 (even where a timing would have measured it fast). Catches the flags ignored (the timing
     decides), the flag names misspelled, and either flag alone not counting.
     """
-    import nanotrain.hardware as hardware
-    import nanotrain.muon as muon
+    import nanotrain.common as hardware
+    import nanotrain.optim as muon
 
     def timing(*args):
         raise AssertionError("timed although the CPU lists its flags")
@@ -378,8 +377,8 @@ def test_orthogonalize_a_dtensor_whole_then_cut_back(one_rank_mesh, monkeypatch)
     """
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    import nanotrain.hardware as hardware
-    import nanotrain.muon as muon
+    import nanotrain.common as hardware
+    import nanotrain.optim as muon
 
     seen = []
 

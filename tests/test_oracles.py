@@ -18,8 +18,8 @@ import pytest
 import torch
 from helpers import sft_backward
 
-from nanotrain.autobatch.search import candidate_batch_sizes
-from nanotrain.autobatch.stepdown import OOMStepDown, next_smaller_candidate
+from nanotrain.auto_batch_size.search import candidate_batch_sizes
+from nanotrain.auto_batch_size.stepdown import OOMStepDown, next_smaller_candidate
 from nanotrain.dataloader import TokenLoader
 from nanotrain.gpt import GPT, GPTConfig, config_from_depth
 from nanotrain.loss_eval import evaluate_bpb
@@ -288,7 +288,7 @@ def test_compiled_refinement_literal_probe_sequences(cands, eager, limit, want, 
     instead of 8), an index run past the largest candidate (IndexError), a step-down that stops before the smallest
     candidate (an error although 1 fits), and a step-up that skips a candidate.
     """
-    from nanotrain.autobatch.search import _refine_compiled
+    from nanotrain.auto_batch_size.search import _refine_compiled
     seen = []
 
     def fits(b):
@@ -300,7 +300,7 @@ def test_compiled_refinement_literal_probe_sequences(cands, eager, limit, want, 
 def test_check_probes_rejects_a_size_that_also_failed():
     """A cache entry whose probes say its size both fits and does not fit is contradictory and rejected. Catches a
     comparison that accepts a failure at the size itself (only failures strictly below it)."""
-    from nanotrain.autobatch.cache import check_probes
+    from nanotrain.auto_batch_size.cache import check_probes
     fits = {"batch_size": 4, "peak_bytes": 10, "result": "fits", "phase": "search"}
     check_probes(4, [fits, {**fits, "batch_size": 8, "result": "OOM"}], 100)  # consistent: no error
     with pytest.raises(ValueError, match=r"not the answer of its search probes \(fits: \[4\]; does not fit: \[4\]\)"):
@@ -317,7 +317,7 @@ def test_sft_probe_model_is_the_rows_chat_sft_trains(packing):
     """
     from helpers import tiny_model
 
-    from nanotrain.autobatch.builders import sft_builder
+    from nanotrain.auto_batch_size.builders import sft_builder
     model = tiny_model()
     build = sft_builder(model.config, packing, weight_decay=0.0)
     assert build.key_fields["packing"] is packing and build.key_fields["optimizer_kwargs"] == {"weight_decay": 0.0}
@@ -340,8 +340,8 @@ def test_agree_reraises_and_cache_warnings_name_the_reason(tmp_path, monkeypatch
     into a None result (discovery would go on without a model) and a warning that does not say why the entry was
     dropped.
     """
-    from nanotrain.autobatch.cache import cache_path, read_cached, write_cached
-    from nanotrain.autobatch.search import _agree
+    from nanotrain.auto_batch_size.cache import cache_path, read_cached, write_cached
+    from nanotrain.auto_batch_size.search import _agree
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     with pytest.raises(ZeroDivisionError):
         _agree(lambda: 1 / 0, torch.device("cpu"), "testing")
@@ -427,7 +427,7 @@ def test_newton_schulz_on_a_diagonal_matrix_is_the_hand_sequence():
     and 5 steps, is the hand sequence above. Catches wrong or reordered coefficients, a spectral instead of Frobenius
     normalisation, a missing transpose back, and a step count off by one.
     """
-    from nanotrain.muon import zeropower_via_newtonschulz5
+    from nanotrain.optim import zeropower_via_newtonschulz5
     wide = torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
     for steps, (s1, s2) in ((1, NS_1_STEP), (5, NS_5_STEPS)):
         want = torch.tensor([[s1, 0.0, 0.0], [0.0, s2, 0.0]])
@@ -446,7 +446,7 @@ def test_muon_first_step_is_the_hand_value(nesterov):
     Catches a missing or inverted aspect-ratio scale (sqrt(2/3) on a tall matrix), an lr ignored or applied twice, and
     an update that is not orthogonalised.
     """
-    from nanotrain.muon import Muon
+    from nanotrain.optim import Muon
     p = torch.nn.Parameter(torch.zeros(3, 2))
     p.grad = torch.tensor([[3.0, 0.0], [0.0, 4.0], [0.0, 0.0]])
     Muon([p], lr=0.1, momentum=0.9, nesterov=nesterov, ns_dtype="float32").step()

@@ -269,10 +269,10 @@ def test_cache_entry_that_is_a_directory_is_refused_before_the_search(tmp_path, 
     """The auto batch size's cache: an entry that is a directory, or a cache directory that is a file, raises the
     OSError naming it when the cache is read, before the (long) search, not when the result is written. Catches the
     old order: a warning at the read, the whole search, then a traceback at the write."""
-    from nanotrain.autobatch.cache import read_cached
+    from nanotrain.auto_batch_size.cache import read_cached
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     key = {"candidates": [1, 2]}
-    from nanotrain.autobatch.cache import cache_path
+    from nanotrain.auto_batch_size.cache import cache_path
     os.makedirs(cache_path(key))
     with pytest.raises(IsADirectoryError) as e:
         read_cached(key, 1e9, log=print)
@@ -294,7 +294,7 @@ def test_report_card_that_cannot_be_written_is_a_warning_and_leaves_no_temp_png(
     Catches the old 0-byte temp file left behind, or the error escaping (a finished run exiting 1)."""
     import matplotlib.figure
 
-    from nanotrain.report import write_section_or_warn
+    from nanotrain.report.card import write_section_or_warn
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     run_dir = tmp_path / "base" / "r"
     run_dir.mkdir(parents=True)
@@ -314,7 +314,7 @@ def test_report_card_that_cannot_be_written_is_a_warning_and_leaves_no_temp_png(
 def test_report_card_matplotlib_cache_goes_under_the_base_dir(tmp_path, monkeypatch):
     """use_plot_cache_dir sets MPLCONFIGDIR to <base>/matplotlib when unset and keeps a user's value. Catches
     matplotlib writing its font cache under $HOME (the default), or overriding the user's choice."""
-    from nanotrain.report_plots import use_plot_cache_dir
+    from nanotrain.report.plots import use_plot_cache_dir
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("MPLCONFIGDIR", raising=False)
     use_plot_cache_dir()

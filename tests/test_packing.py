@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import nanotrain.gpt as gpt_module
-from nanotrain.gpt import GPT, GPTConfig, segment_info
+from nanotrain.attention import segment_info
+from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.sft_data import (
     IGNORE_INDEX,
     ConversationSampler,

@@ -181,7 +181,7 @@ def test_norm_of_bf16_saves_bf16_and_equals_rms_norm():
     (bf16) and one fp32 1/rms per row. The wrong variant, F.rms_norm itself, keeps an fp32 copy of x (2 bytes more
     per element), which is what this test measures it by.
     """
-    from nanotrain.gpt import norm
+    from nanotrain.kernels import norm
     x = (torch.randn(64, 4, 128) * 3).to(torch.bfloat16).requires_grad_()
     g = torch.randn(64, 4, 128).to(torch.bfloat16)
     y, got = saved_bytes(norm, x)

@@ -1,7 +1,7 @@
 """
 The CUDA-only branches that run without a card, against tests/cuda_standin.py (torch.cuda stood in for, with torch's
 contracts: the memory-fraction API refuses a CUDA device without an index): the real probe's entry, measurement,
-clean-up and exit (nanotrain/autobatch/probe.py), the discovery on CUDA, the memory budget, the out-of-memory
+clean-up and exit (nanotrain/auto_batch_size/probe.py), the discovery on CUDA, the memory budget, the out-of-memory
 step-down on the allocator's OOM, compute_init's device; and the budget's CPU fallbacks and MPS cap. The environment
 report's CUDA branch is in tests/test_gpu_check_inprocess.py (this file runs under the mutation tool, whose copy has
 no scripts/).
@@ -16,9 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from cuda_standin import GiB, MiB, cuda_standin_fixture, device_of, install  # noqa: F401 - the fixture
 
-import nanotrain.autobatch.probe as ab_probe
-from nanotrain.autobatch.search import discover_device_batch_size
-from nanotrain.autobatch.stepdown import OOMStepDown
+import nanotrain.auto_batch_size.probe as ab_probe
+from nanotrain.auto_batch_size.search import discover_device_batch_size
+from nanotrain.auto_batch_size.stepdown import OOMStepDown
 from nanotrain.common import compute_init
 from nanotrain.errors import UserError
 from nanotrain.training import forward_backward, micro_batches

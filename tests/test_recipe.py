@@ -11,7 +11,7 @@ import torch
 from helpers import CPU_RECIPE, run_script
 
 from nanotrain import training
-from nanotrain.autobatch.search import candidate_batch_sizes
+from nanotrain.auto_batch_size.search import candidate_batch_sizes
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, config_from_depth
 

@@ -1,4 +1,4 @@
-"""The report card (nanotrain.report) on a real tiny base_train run directory."""
+"""The report card (nanotrain.report.card) on a real tiny base_train run directory."""
 
 import json
 import os
@@ -7,8 +7,8 @@ import shutil
 import pytest
 from helpers import TINY_TRAIN, run_script
 
-from nanotrain.report import STAGES, SUBSECTIONS, main, report_dir, write_section
-from nanotrain.report_plots import read_metrics
+from nanotrain.report.card import STAGES, SUBSECTIONS, main, report_dir, write_section
+from nanotrain.report.plots import read_metrics
 
 pytestmark = pytest.mark.smoke
 PNG = b"\x89PNG\r\n\x1a\n"

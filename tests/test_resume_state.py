@@ -1,5 +1,5 @@
 """What a resume restores: NumPy's RNG state with the others, and a checkpoint of an OSFT run without its osft.pt
-skipped for the previous one like any other damaged file (nanotrain.common.rng_state, nanotrain.checkpoint_read)."""
+skipped for the previous one like any other damaged file (nanotrain.common.rng_state, nanotrain.checkpoint)."""
 
 import os
 import warnings

@@ -1,7 +1,7 @@
 """
-Per-problem sample records (nanotrain/samples.py, chat_metrics.score_task, core_eval.evaluate_core), the comparison of
-two sample files (nanotrain/compare_samples.py), and HumanEval test code from outside the verified pinned set running
-sandboxed (nanotrain/humaneval_check.py).
+Per-problem sample records (nanotrain/evaluation/samples.py, chat_metrics.score_task, core_eval.evaluate_core), the comparison of
+two sample files (nanotrain/evaluation/compare_samples.py), and HumanEval test code from outside the verified pinned set running
+sandboxed (nanotrain/sandbox/humaneval_check.py).
 """
 
 import json
@@ -11,14 +11,14 @@ import pytest
 import torch
 from helpers import REPO, write_benchmark_copy
 
-from nanotrain import core_eval
-from nanotrain.chat_metrics import score_task
-from nanotrain.compare_samples import compare, main, mcnemar_exact, paired_interval
-from nanotrain.execution import ExecutionResult
+from nanotrain.evaluation import core_eval
+from nanotrain.evaluation.chat_metrics import score_task
+from nanotrain.evaluation.compare_samples import compare, main, mcnemar_exact, paired_interval
+from nanotrain.evaluation.samples import read_samples, write_samples
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.humaneval_check import _first_error_line, _outcome, check_humaneval
-from nanotrain.report import samples_comparison
-from nanotrain.samples import read_samples, write_samples
+from nanotrain.report.card import samples_comparison
+from nanotrain.sandbox.execution import ExecutionResult
+from nanotrain.sandbox.humaneval_check import _first_error_line, _outcome, check_humaneval
 from nanotrain.tasks.humaneval import grade_humaneval_detail, humaneval_conversation
 from nanotrain.tasks.registry import TASKS
 

@@ -1,5 +1,5 @@
 """
-Memory a program run by nanotrain.execution may take in all under bubblewrap: its private /tmp and /dev/shm are
+Memory a program run by nanotrain.sandbox.execution may take in all under bubblewrap: its private /tmp and /dev/shm are
 bounded tmpfs, and its processes share one memory limit where a cgroup can be made.
 """
 
@@ -9,8 +9,8 @@ import shutil
 import pytest
 from test_execution import LINUX, ROOT, as_non_root, bwrap_works_for_others
 
-from nanotrain import execution
-from nanotrain.sandbox_sweep import Cgroup
+from nanotrain.sandbox import execution
+from nanotrain.sandbox.sweep import Cgroup
 
 pytestmark = pytest.mark.unit
 

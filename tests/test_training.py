@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import grads, rel, tiny_model
 
-from nanotrain.muon import Muon
+from nanotrain.optim import Muon
 from nanotrain.run import MetricsLog
 from nanotrain.training import forward_backward, micro_batches, muon_momentum
 
@@ -262,7 +262,7 @@ def test_eta_is_steady_through_a_slow_step():
 
 def test_precision_resolves_the_dtype_setting(monkeypatch):
     """
-    --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as nanotrain.hardware.fast_bf16 finds), fp32 and
+    --dtype="": bf16 autocast on CUDA and on a CPU whose bf16 matmuls are fast (as nanotrain.common.fast_bf16 finds), fp32 and
     no autocast on a slow-bf16 CPU and on other devices; an explicit dtype is used without measuring; anything else
     is a UserError naming --dtype. Catches a measurement made for an explicit dtype, autocast left on for fp32, and
     a CUDA default that depends on the CPU's measurement.

@@ -13,11 +13,11 @@ import zlib
 
 import numpy as np
 
-from nanotrain.benchmarks import pinned_rows
 from nanotrain.common import get_base_dir, print0
 from nanotrain.conversation import text_of
 from nanotrain.errors import UserError
 from nanotrain.hub import unreachable_reason
+from nanotrain.tasks.benchmarks import pinned_rows
 
 SHUFFLE_SEED = 42  # nanochat's: datasets.Dataset.shuffle(seed=42) of every benchmark's test split
 
@@ -266,7 +266,7 @@ def load_test_set(task, source):
     """
     The test set of benchmark `task` (a Task with hub_test = (repo, config, split) and to_conversation(row)) in
     nanochat's order, from `source`: "auto" (the hub when it answers, else pinned), "hub", "pinned"
-    (nanotrain.benchmarks) or a folder with a local copy of the hub's files. Returns (conversations, skipped) as
+    (nanotrain.tasks.benchmarks) or a folder with a local copy of the hub's files. Returns (conversations, skipped) as
     render_rows. Raises UserError (one line) when the rows cannot be had.
     """
     source = resolve_source(source)

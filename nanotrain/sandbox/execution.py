@@ -2,7 +2,7 @@
 Run one Python program written by a model and say whether it exited cleanly. The design idea is nanochat's
 (nanochat/execution.py: a fresh process, resource limits, a scrubbed environment, a temporary directory); the
 isolation is our own. Nothing the model wrote is ever eval'd or exec'd in this process. A verdict that must not be
-forgeable (HumanEval) is not taken from here but from nanotrain/humaneval_check.py, whose trusted process calls the
+forgeable (HumanEval) is not taken from here but from nanotrain/sandbox/humaneval_check.py, whose trusted process calls the
 program's function across a pipe.
 
 Always: a fresh `python -I -S` process (no PYTHON* variables, no user or site packages: the standard library only),
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from nanotrain.errors import UserError
-from nanotrain.sandbox_sweep import Cgroup, remove_leftovers, sweep_uid, unused_uid
+from nanotrain.sandbox.sweep import Cgroup, remove_leftovers, sweep_uid, unused_uid
 
 OUTPUT_CHARS = 4096  # stdout and stderr are each cut to about this many characters: their head and their tail
 NPROC = 16  # processes (threads included) the program's uid may have, when it runs under a uid of its own
@@ -233,7 +233,7 @@ def _end(proc, uid, python, cgroup):
         return
     try:
         if not sweep_uid(uid, python, cgroup, SWEEP_S):
-            print(f"nanotrain.execution: processes of the throwaway uid {uid} survived {SWEEP_S:.0f} s of SIGKILLs "
+            print(f"nanotrain.sandbox.execution: processes of the throwaway uid {uid} survived {SWEEP_S:.0f} s of SIGKILLs "
                   f"(stuck in the kernel); they can do nothing a fresh program could not", file=sys.stderr)
     finally:
         if cgroup is not None:

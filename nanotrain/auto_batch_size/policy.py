@@ -1,5 +1,5 @@
 """
---activation_checkpointing=auto: the activation checkpointing policy (nanotrain.recompute) chosen together with the
+--activation_checkpointing=auto: the activation checkpointing policy (nanotrain.gpt) chosen together with the
 device batch size. The policies are tried from the cheapest in compute ("none", "selective", "full"). A given
 device_batch_size is a requirement: the cheapest policy under which it fits. A discovered one is a wish (the whole
 step in one micro-batch): among the policies that recompute at most AUTO_MAX_RECOMPUTE of the step's FLOPs, the
@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from nanotrain.autobatch.search import discover_device_batch_size
+from nanotrain.auto_batch_size.search import discover_device_batch_size
 from nanotrain.common import atomic_write_json, is_distributed, print0, rng_state, set_rng_state
 from nanotrain.errors import UserError
-from nanotrain.recompute import POLICIES, recompute_flops
+from nanotrain.gpt import POLICIES, recompute_flops
 
 AUTO_MAX_RECOMPUTE = 0.15  # a larger micro-batch is not worth more than this share of extra FLOPs per step
 
@@ -23,7 +23,7 @@ AUTO_MAX_RECOMPUTE = 0.15  # a larger micro-batch is not worth more than this sh
 def measure_recompute(build_probe, max_seq_len):
     """
     The share of extra FLOPs (float, 0.0 for none) that build_probe's model recomputes in a training step of one row
-    of max_seq_len tokens (nanotrain.recompute.recompute_flops), on fake CPU tensors: no memory, no compute. The
+    of max_seq_len tokens (nanotrain.gpt.recompute_flops), on fake CPU tensors: no memory, no compute. The
     model's own activation_checkpointing is measured; torch's global RNG (build_probe draws the init) is restored.
     """
     saved = rng_state(torch.device("cpu"))
@@ -60,8 +60,8 @@ def choose_policy(found, needed, required=False):
 def discover_with_policy(make_builder, policy, *, device_batch_size=None, log=print0, **discover_kwargs):
     """
     The device batch size and, for policy "auto", the activation checkpointing policy. make_builder(policy) ->
-    build_probe (nanotrain.autobatch.builders.gpt_builder with that activation_checkpointing); discover_kwargs:
-    nanotrain.autobatch.search.discover_device_batch_size's keyword arguments (max_seq_len, total_batch_size,
+    build_probe (nanotrain.auto_batch_size.builders.gpt_builder with that activation_checkpointing); discover_kwargs:
+    nanotrain.auto_batch_size.search.discover_device_batch_size's keyword arguments (max_seq_len, total_batch_size,
     world_size, max_batch_size, ...). A policy other than "auto": that discovery, unchanged. "auto": one discovery
     per policy, cheapest first (each capped at the size needed; each its own cache entry), until one reaches the
     size the run needs: device_batch_size when given (required: the cheapest policy under which it fits), else the

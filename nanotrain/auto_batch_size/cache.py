@@ -22,7 +22,7 @@ ALGORITHM_VERSION = 1  # bump when the probe recipe, the measurement or the sear
 
 def code_fingerprint(build_probe):
     """sha256 (hex str) of the Python sources that decide the probe's memory: every .py file of the nanotrain package
-    (model, optimizers, nanotrain.autobatch.probe's probe step, the builders), of the top-level package defining build_probe
+    (model, optimizers, nanotrain.auto_batch_size.probe's probe step, the builders), of the top-level package defining build_probe
     and build_probe's own file. In the key, it makes the fake-path peak a pure function of the key."""
     files = set()
 

@@ -6,10 +6,9 @@ key_fields that tell its cache entries apart.
 
 import torch
 
-from nanotrain.gpt import GPT
+from nanotrain.gpt import GPT, policy_name
 from nanotrain.optim import setup_optimizers
 from nanotrain.osft import DEFAULT_MATRICES, OSFT
-from nanotrain.recompute import policy_name
 
 
 def gpt_builder(model_config, *, activation_checkpointing="none", osft_rank_ratio=0.0, osft_matrices=DEFAULT_MATRICES,
@@ -17,7 +16,7 @@ def gpt_builder(model_config, *, activation_checkpointing="none", osft_rank_rati
     """
     A build_probe(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
     FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it (a
-    nanotrain.recompute policy name, checked, kept in the model and the key), fresh
+    nanotrain.gpt policy name, checked, kept in the model and the key), fresh
     optimizers from setup_optimizers(**optimizer_kwargs), and with osft_rank_ratio > 0 the OSFT bases (allocated,
     not computed) and projection hooks, so the probed step holds what an OSFT step holds; advances torch's global
     RNG. It carries `key_fields` (GPT config, activation checkpointing, OSFT, optimizer arguments) for the cache

@@ -1,10 +1,10 @@
 """
 Automatic device batch size: the largest per-device micro-batch (rows of max_seq_len tokens) whose training step fits
-in memory on every rank (discover_device_batch_size), cached across runs (nanotrain.autobatch.cache). Only
+in memory on every rank (discover_device_batch_size), cached across runs (nanotrain.auto_batch_size.cache). Only
 grad_accum_steps moves: the candidates are the divisors of total_batch_size / (max_seq_len * world_size), so the tokens
-per optimizer step never change. A size fits if its peak (measured by nanotrain.autobatch.probe) is at most margin *
+per optimizer step never change. A size fits if its peak (measured by nanotrain.auto_batch_size.probe) is at most margin *
 device memory on every rank; ranks agree on each decision in one all-reduce, errors included, so no rank waits
-forever. A later out-of-memory step steps down (nanotrain.autobatch.stepdown).
+forever. A later out-of-memory step steps down (nanotrain.auto_batch_size.stepdown).
 """
 
 import math
@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.autobatch.cache import (
+from nanotrain.auto_batch_size.cache import (
     ALGORITHM_VERSION,
     cache_key,
     cache_path,
@@ -23,7 +23,7 @@ from nanotrain.autobatch.cache import (
     read_cached,
     write_cached,
 )
-from nanotrain.autobatch.probe import FakeProbe, GiB, RealProbe, device_memory_budget
+from nanotrain.auto_batch_size.probe import FakeProbe, GiB, RealProbe, device_memory_budget
 from nanotrain.common import atomic_write_json, is_distributed, print0, rng_state, set_rng_state
 from nanotrain.errors import UserError
 
@@ -149,7 +149,7 @@ def discover_device_batch_size(build_probe, *, max_seq_len, vocab_size, total_ba
                                record_path=None):
     """
     The largest candidate_batch_sizes(total_batch_size, max_seq_len, world_size, max_batch_size) whose training step
-    (nanotrain.autobatch.probe.probe_step) peaks at most margin * device memory on every rank. Call it on every rank before the
+    (nanotrain.auto_batch_size.probe.probe_step) peaks at most margin * device memory on every rank. Call it on every rank before the
     training model is built; result and record are the same on all ranks; RNG states are restored.
     build_probe(device) -> (model, optimizers) as training uses them (gpt_builder, sft_builder): on CPU/MPS called per
     probe under FakeTensorMode; on CUDA once, probed for real, then its parameters restored and optimizer state

@@ -2,14 +2,14 @@
 nanotrain's GPT for Hugging Face transformers: a PretrainedConfig and a PreTrainedModel + GenerationMixin, so that an
 exported directory loads with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True).
 
-This file imports only torch and transformers: nanotrain.hf_export copies it verbatim into the export directory as
+This file imports only torch and transformers: nanotrain.export.hf copies it verbatim into the export directory as
 modeling_nanotrain.py (config.json's auto_map names its two classes). It re-implements nanotrain.gpt.GPT's inference
 forward (the same parameter names, so the state dict is the project's): rotary embeddings (Su et al. 2021) on the two
 halves of the head dim, QK RMSNorm after rotary, attention logits scaled by qk_scale / sqrt(head_dim),
 parameter-free RMSNorm (F.rms_norm) after the embedding and before every block half and the head, ReLU^2 MLP, GQA,
 untied lm_head, logits soft-capped at 15 * tanh(z / 15) in fp32, and value embeddings (ResFormer-style, a gate
 2 sigmoid(W x[:12]) per kv head on alternating blocks, the last always). GPT's options smear, backout and x0_lambdas
-are not implemented (NanotrainConfig refuses them; nanotrain.hf_export refuses such a checkpoint).
+are not implemented (NanotrainConfig refuses them; nanotrain.export.hf refuses such a checkpoint).
 
 Attention goes through transformers' attention interface, as its Llama does (transformers 5.24,
 models/llama/modeling_llama.py): the mask comes from masking_utils.create_causal_mask, the cache is updated with

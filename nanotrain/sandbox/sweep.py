@@ -1,5 +1,5 @@
 """
-What nanotrain/execution.py does around a program run under a throwaway uid (this process being root): pick an unused
+What nanotrain/sandbox/execution.py does around a program run under a throwaway uid (this process being root): pick an unused
 uid, make a cgroup for the program where the machine lets us, and afterwards kill every process of that uid (bounded in
 time, whatever they do) and remove the files and SysV IPC objects it left. Linux only (/proc, /proc/sysvipc,
 /sys/fs/cgroup); every function here is a no-op or returns False where those are missing.

@@ -1,10 +1,10 @@
 """
-Two evaluations of the same problems compared from their sample files (nanotrain.samples: chat_eval_samples.jsonl,
+Two evaluations of the same problems compared from their sample files (nanotrain.evaluation.samples: chat_eval_samples.jsonl,
 core_samples.jsonl): per task, the problems that flipped each way, the accuracy difference B - A with a 95% interval
 for paired proportions, and the exact McNemar test's p-value, so that "B beat A on arith" comes with whether it
 could be noise.
 
-    python -m nanotrain.compare_samples A.jsonl B.jsonl
+    python -m nanotrain.evaluation.compare_samples A.jsonl B.jsonl
 
 Problems are paired by (task, doc_id); those in one file only are counted and left out. Methods:
 - the interval: Agresti & Min (2005), "Simple improved confidence intervals for comparing matched proportions"
@@ -18,7 +18,7 @@ import math
 import sys
 
 from nanotrain.errors import UserError
-from nanotrain.samples import read_samples
+from nanotrain.evaluation.samples import read_samples
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
@@ -81,11 +81,11 @@ def format_comparison(result, name_a="A", name_b="B"):
 
 
 def main(argv=None):
-    """`python -m nanotrain.compare_samples A B`: prints the table of compare(A, B) and the problems that flipped.
+    """`python -m nanotrain.evaluation.compare_samples A B`: prints the table of compare(A, B) and the problems that flipped.
     Raises UserError for a wrong argument count or a file that is not a sample file."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        raise UserError("usage: python -m nanotrain.compare_samples A.jsonl B.jsonl (two sample files written with "
+        raise UserError("usage: python -m nanotrain.evaluation.compare_samples A.jsonl B.jsonl (two sample files written with "
                         "--log_samples=True)")
     result = compare(read_samples(argv[0]), read_samples(argv[1]))
     if not any(r["problems"] for r in result.values()):

@@ -4,7 +4,7 @@ computed as nanochat computes it (karpathy/nanochat `nanochat/core_eval.py`, `sc
 numbers compare with nanochat's and GPT-2's published ones. The task rendering follows llm-foundry's ICL tasks.
 
 The protocol:
-- The eval bundle (nanotrain.core_bundle: how it is had and checked) gives the tasks, their random baselines and
+- The eval bundle (nanotrain.evaluation.core_bundle: how it is had and checked) gives the tasks, their random baselines and
   rows.
 - Each task's rows are shuffled with random.Random(1337) and cut to max_per_task. Row i's few-shot examples are
   random.Random(1234 + i).sample of the other rows' indices (i in the shuffled, cut list); a task with fewer rows than
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.common import atomic_write_json, atomic_write_text, print0
-from nanotrain.core_bundle import load_rows, read_bundle, verify_bundle
 from nanotrain.errors import UserError
-from nanotrain.samples import sample_row, write_samples
+from nanotrain.evaluation.core_bundle import load_rows, read_bundle, verify_bundle
+from nanotrain.evaluation.samples import sample_row, write_samples
 
 SHUFFLE_SEED = 1337
 FEWSHOT_SEED = 1234
@@ -150,7 +150,7 @@ def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=
     outcomes summed in one all-reduce, so every rank returns the same list. The context is the model's
     config.max_seq_len. stop: optional callable, asked (collectively) every STOP_CHECK_EVERY rounds; when it returns
     True the evaluation is abandoned and None returned. samples: a list that gets every row's record
-    (nanotrain.samples.sample_row: the rendered prompts, the options' scores as "continuation_scores") on rank 0,
+    (nanotrain.evaluation.samples.sample_row: the rendered prompts, the options' scores as "continuation_scores") on rank 0,
     gathered from all ranks.
     """
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -191,7 +191,7 @@ def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=
 
 
 def core_sample(task, i, prompts, tokens, starts, ends, gold, right, scores, tokenizer):
-    """The sample record (nanotrain.samples.sample_row) of CORE row i: prompt (the gold option's rendered text),
+    """The sample record (nanotrain.evaluation.samples.sample_row) of CORE row i: prompt (the gold option's rendered text),
     prompts (every option's), target (gold index; language modelling: the continuation), resps (each option's
     score, continuation_scores too), reply (the chosen option's scored text), extracted (its index)."""
     if task["task_type"] == "language_modeling":
@@ -220,7 +220,7 @@ def evaluate_core(model, tokenizer, bundle_dir, device, autocast_ctx=None, max_p
     (collective under DDP); with log_samples also "samples" (rank 0: every row's record, core_sample). A task's
     accuracy is the mean of its rows' outcomes, the same numbers as the records' "acc".
     Returns None when `stop` (see evaluate_task) asked to stop. Raises UserError (one line, never a score) for a
-    bundle whose files changed since nanotrain.core_bundle.ensure_bundle accepted them (verify_bundle, on every call)
+    bundle whose files changed since nanotrain.evaluation.core_bundle.ensure_bundle accepted them (verify_bundle, on every call)
     or that is not well formed (core_bundle.check_bundle's checks).
     """
     verify_bundle(bundle_dir)

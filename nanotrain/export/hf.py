@@ -2,9 +2,9 @@
 Export a GPT and its tokenizer as a Hugging Face transformers directory: AutoModelForCausalLM.from_pretrained(dir,
 trust_remote_code=True) and AutoTokenizer.from_pretrained(dir) load it offline.
 
-The directory holds config.json (nanotrain.hf_modeling.NanotrainConfig, auto_map naming modeling_nanotrain.py),
+The directory holds config.json (nanotrain.export.hf_modeling.NanotrainConfig, auto_map naming modeling_nanotrain.py),
 generation_config.json, model.safetensors (the GPT's own parameter names), modeling_nanotrain.py (a verbatim copy
-of nanotrain/hf_modeling.py: torch + transformers only), and the tokenizer as a PreTrainedTokenizerFast
+of nanotrain/export/hf_modeling.py: torch + transformers only), and the tokenizer as a PreTrainedTokenizerFast
 (tokenizer.json, tokenizer_config.json, the chat template).
 
 The tokenizer conversion is exact for tiktoken's BPE: every token of rank r > 255 becomes the merge of the two pieces
@@ -30,7 +30,7 @@ import torch
 from nanotrain.common import atomic_write_text
 from nanotrain.durable import commit, fsync_path, recover
 from nanotrain.errors import UserError
-from nanotrain.export import clean_state_dict
+from nanotrain.export.safetensors_file import clean_state_dict
 
 HF_HINT = "pip install transformers==5.24.0 tokenizers==0.23.3 (the pins of requirements.txt)"
 MARKER = "modeling_nanotrain.py"  # written last: its presence marks a complete export directory
@@ -146,12 +146,12 @@ def hf_tokenizer(tokenizer):
 
 
 def hf_model(model):
-    """A nanotrain.hf_modeling.NanotrainForCausalLM holding the weights of `model` (a GPT, possibly wrapped by
+    """A nanotrain.export.hf_modeling.NanotrainForCausalLM holding the weights of `model` (a GPT, possibly wrapped by
     torch.compile / DDP), fp32 on the CPU, in eval mode; its config's eos_token_id is [<|assistant_end|>, <|bos|>]
     when a tokenizer is passed to export_hf. Raises UserError (one line naming the option) for a GPT built with
     smear, backout or x0_lambdas: options that lost the project's ablation (dev/LOG.md, "The ablation table in one
     stack") and that the transformers modeling file does not implement."""
-    from nanotrain.hf_modeling import NOT_IMPLEMENTED, NanotrainConfig, NanotrainForCausalLM
+    from nanotrain.export.hf_modeling import NOT_IMPLEMENTED, NanotrainConfig, NanotrainForCausalLM
     fields = dict(vars(getattr(model, "module", model).config))
     for name in NOT_IMPLEMENTED:
         if fields.pop(name, False):

@@ -1,6 +1,6 @@
 """
 EleutherAI's lm-evaluation-harness (https://github.com/EleutherAI/lm-evaluation-harness) on a base checkpoint: the
-checkpoint is exported as a transformers directory (nanotrain.hf_export) and the harness's own "hf" model loads it
+checkpoint is exported as a transformers directory (nanotrain.export.hf) and the harness's own "hf" model loads it
 (trust_remote_code, fp32, <|bos|> before every request as the project's documents start with it). Any harness task
 or group runs, from its registry or from a directory of local task YAMLs (include_path). The harness is optional:
 pip install "lm_eval[hf]" (LM_EVAL_HINT); it installs without touching the pins of requirements.txt.
@@ -16,7 +16,7 @@ import os
 from nanotrain.checkpoint import load_model
 from nanotrain.common import atomic_write_json, print0
 from nanotrain.errors import UserError
-from nanotrain.hf_export import export_hf, require_transformers
+from nanotrain.export.hf import export_hf, require_transformers
 from nanotrain.hub import check_reachable  # the same fail-fast TCP check as every hub loader
 
 LM_EVAL_HINT = 'pip install "lm_eval[hf]==0.4.13" (installs without touching the pins of requirements.txt)'
@@ -55,7 +55,7 @@ def offline_unless_reachable():
 
 def run_lm_eval(model_dir, tasks, include_path="", limit=-1, device="cpu", batch_size=8, log_samples=False):
     """
-    Runs the harness on the transformers directory `model_dir` (from nanotrain.hf_export.export_hf). tasks: task or
+    Runs the harness on the transformers directory `model_dir` (from nanotrain.export.hf.export_hf). tasks: task or
     group names, comma-separated (str). include_path: a directory of task YAMLs added to the registry ("" none).
     limit: rows per task, -1 all. Returns {task: {"metric,filter": value}} with the harness's float results
     (accuracies in [0, 1], their stderr); with log_samples=True, (that dict, the harness's per-row samples

@@ -3,7 +3,7 @@ The memory of one training step, in bytes: probe_step runs the training step its
 forward_backward, optimizer_step, forward_backward) on synthetic tokens; measure_fake_peak measures its peak without
 allocating it (FakeTensorMode + MemTracker); FakeProbe and RealProbe measure it at a given batch size (fake tensors on
 CPU/MPS, a real step on CUDA with out-of-memory errors caught); device_memory_budget gives the bytes a step may use on
-a device. nanotrain.autobatch.search searches the device batch size with these.
+a device. nanotrain.auto_batch_size.search searches the device batch size with these.
 """
 
 import contextlib
@@ -58,7 +58,7 @@ def _peak_tracker():
     test test_peak_tracker_matches_stock_memtracker pins the equivalence.
     """
     # imported here, not at the top: mem_tracker loads torch._dynamo and torch.distributed.tensor (slow imports, kept
-    # out of start-up as in nanotrain/gpt.py and nanotrain/muon.py), which only a probe needs
+    # out of start-up as in nanotrain/gpt.py and nanotrain/optim.py), which only a probe needs
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class PeakMemTracker(MemTracker):

@@ -6,7 +6,7 @@ scripts/chat_eval.py scores them, so that the numbers compare:
   choice letters (each one token); right for the gold letter;
 - generative (GSM8K, HumanEval, the built-in tasks): the reply decoded by nanotrain.engine (greedy by default, the
   calculator tool as asked), graded by the conversation's task (nanotrain.tasks): GSM8K's "#### N" exact match,
-  HumanEval's tests in a trusted process that calls the reply's code in nanotrain.execution's sandbox, the
+  HumanEval's tests in a trusted process that calls the reply's code in nanotrain.sandbox.execution's sandbox, the
   built-ins' own graders; with num_samples > 1 a problem's accuracy is its unbiased pass@1 (the share of correct
   samples) and pass@k is reported too (Chen et al. 2021);
 - ChatCORE (nanochat): the mean over the five benchmarks of the centred accuracy (acc - chance) / (1 - chance),
@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from nanotrain.conversation import text_of
 from nanotrain.errors import UserError
+from nanotrain.evaluation.samples import calculator_calls, sample_row, totals
 from nanotrain.rl import pass_at_k
-from nanotrain.samples import calculator_calls, sample_row, totals
 from nanotrain.tasks.common import wilson_interval
 from nanotrain.tasks.gsm8k import extract_answer as gsm8k_answer
 from nanotrain.tasks.humaneval import extract_program
@@ -144,7 +144,7 @@ def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, nu
     problems right (generative with num_samples > 1: the sum of the problems' shares of correct samples), "total",
     "accuracy" (pass@1), "ci95" (Wilson, on problems), "chance", plus "pass@k" for k = num_samples > 1, and "example"
     (the first problem's prompt and reply on rank 0)}, and with log_samples "samples": every problem's record
-    (nanotrain.samples.sample_row, doc_id its index in `conversations`, split `split`), gathered on rank 0; multiple
+    (nanotrain.evaluation.samples.sample_row, doc_id its index in `conversations`, split `split`), gathered on rank 0; multiple
     choice adds "letter_scores" ({letter: logit}), generative "calculator_calls", HumanEval "outcome" and "error".
     The counts are the sums of these records (computed whether or not they are returned). Raises UserError for
     num_samples < 1 or num_samples > 1 with temperature 0.

@@ -22,7 +22,7 @@ import torch
 
 from nanotrain.common import atomic_write_json, atomic_write_text, die, get_base_dir, git_commit, is_master
 from nanotrain.errors import UserError, os_error_line
-from nanotrain.report_plots import read_metrics, write_plots
+from nanotrain.report.plots import read_metrics, write_plots
 
 STAGES = ("base", "mid", "sft", "rl", "eval")
 TITLES = {"base": "Base training", "mid": "Midtraining", "sft": "Chat SFT", "rl": "RL", "eval": "Chat eval"}
@@ -148,7 +148,7 @@ def chat_eval_table(chat_eval):
 
 
 def core_table(core):
-    """The markdown of a core.json (nanotrain.core_eval.write_results): CORE, then accuracy and centred accuracy per
+    """The markdown of a core.json (nanotrain.evaluation.core_eval.write_results): CORE, then accuracy and centred accuracy per
     task."""
     cut = core.get("max_per_task", -1)
     lines = [f"CORE **{core['core']:.4f}** at step {core.get('step', '?')}"
@@ -201,11 +201,11 @@ def chat_eval_comparison(run_name, run_dir):
 def samples_comparison(stage_files):
     """
     Markdown: for each consecutive pair of [(stage, sample file path)] whose files both exist and share problems,
-    nanotrain.compare_samples' table (flips, the difference with its 95% paired interval, the exact McNemar p);
+    nanotrain.evaluation.compare_samples' table (flips, the difference with its 95% paired interval, the exact McNemar p);
     "" when no pair has. Raises UserError for a sample file that is not one.
     """
-    from nanotrain.compare_samples import compare, format_comparison
-    from nanotrain.samples import read_samples
+    from nanotrain.evaluation.compare_samples import compare, format_comparison
+    from nanotrain.evaluation.samples import read_samples
     present = [(stage, path) for stage, path in stage_files if os.path.exists(path)]
     parts = []
     for (sa, pa), (sb, pb) in zip(present, present[1:]):

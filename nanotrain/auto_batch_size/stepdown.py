@@ -6,7 +6,7 @@ step and the result stay the same; the discovery's record and cache learn of it.
 
 import torch.distributed as dist
 
-from nanotrain.autobatch.cache import drop_cached
+from nanotrain.auto_batch_size.cache import drop_cached
 from nanotrain.common import atomic_write_json, is_distributed, print0
 from nanotrain.errors import UserError
 from nanotrain.fsdp import is_fsdp

@@ -2,7 +2,7 @@
 The CORE eval bundle (one zip, the same one nanochat downloads): core.yaml (the task list: label, dataset_uri,
 num_fewshot, icl_task_type, continuation_delimiter), eval_meta_data.csv (each task's random baseline in percent; the
 bundle's own file, an older DCLM version, which nanochat's numbers use) and eval_data/*.jsonl (the rows). How it is
-had, checked and read; the metric itself is nanotrain.core_eval.
+had, checked and read; the metric itself is nanotrain.evaluation.core_eval.
 
 Where it comes from:
 - downloaded once per machine from EVAL_BUNDLE_URL (or $NANOTRAIN_EVAL_BUNDLE_URL: a mirror, or file:///path to a

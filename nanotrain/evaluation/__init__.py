@@ -1,0 +1,1 @@
+"""Evaluation: CORE and its bundle, the gold-answer bpb, the chat metrics (ChatCORE), lm-evaluation-harness on the export, per-sample logs and their comparison."""

@@ -1,0 +1,1 @@
+"""The report card of a run (card.py) and its plots (plots.py); python -m nanotrain.report writes it."""
