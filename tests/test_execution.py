@@ -223,7 +223,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 HARNESS = f"""
 import json, os, sys, time
 sys.path.insert(0, {REPO!r})
-from nanotrain import execution  # it imports nanotrain.errors only: no torch needed under the system Python
+from nanotrain.sandbox import execution  # it imports nanotrain.errors only: no torch needed under the system Python
 from nanotrain.errors import UserError
 code = sys.stdin.read().replace("HARNESS_PID", str(os.getpid()))
 start = time.monotonic()

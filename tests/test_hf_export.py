@@ -20,10 +20,10 @@ pytest.importorskip("transformers", reason="the transformers export needs transf
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from nanotrain import hf_export  # noqa: E402
 from nanotrain.checkpoint import save_checkpoint  # noqa: E402
 from nanotrain.engine import Engine  # noqa: E402
 from nanotrain.errors import UserError
+from nanotrain.export import hf as hf_export  # noqa: E402
 from nanotrain.export.hf import export_hf, hf_tokenizer, require_transformers  # noqa: E402
 from nanotrain.gpt import GPT, GPTConfig  # noqa: E402
 from nanotrain.tokenizer import Tokenizer  # noqa: E402
