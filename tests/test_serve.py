@@ -195,3 +195,44 @@ def test_the_chat_page_is_served(server):
         html = r.read().decode()
     assert r.status == 200 and "/v1/chat/completions" in html and "stream: true" in html
     assert "http://" not in html and "https://" not in html
+
+
+@pytest.mark.slow  # a real browser: Debian's chromium (installed by .ci/run) driven by Playwright
+def test_the_chat_page_in_chromium(server):
+    """
+    The page in headless Chromium: a message typed and sent gets a reply that grows over at least two updates (the
+    stream reaches the page piece by piece), and a second turn sends the first one along (the request's messages
+    hold both user turns and the first reply). Catches a page that waits for the whole reply, and one that forgets
+    the conversation.
+    """
+    import shutil
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium on this machine (.ci/run installs Debian's)")
+    url, _ = server
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        page.route("**/v1/chat/completions", lambda route: route.continue_(
+            headers={**route.request.headers, "authorization": "Bearer k"}))
+        sent = []
+        page.on("request", lambda r: sent.append(r.post_data) if r.url.endswith("/v1/chat/completions") else None)
+        page.goto(url + "/")
+        page.evaluate("""() => { window.sizes = []; const log = document.getElementById('log');
+            new MutationObserver(() => { const a = log.querySelectorAll('.assistant');
+              if (a.length) window.sizes.push(a[a.length - 1].textContent.length); })
+            .observe(log, {subtree: true, childList: true, characterData: true}); }""")
+        page.fill("#input", "Hello there")
+        page.click("#send")
+        page.wait_for_function("() => !document.getElementById('send').disabled", timeout=60000)
+        first = page.inner_text(".assistant")
+        page.fill("#input", "And again")
+        page.click("#send")
+        page.wait_for_function("() => document.querySelectorAll('.assistant').length == 2 && "
+                               "!document.getElementById('send').disabled", timeout=60000)
+        sizes = page.evaluate("window.sizes")
+        browser.close()
+    assert first and len(set(sizes)) >= 2, sizes
+    second = json.loads(sent[-1])["messages"]
+    assert [m["role"] for m in second] == ["user", "assistant", "user"] and second[0]["content"] == "Hello there"
