@@ -14,6 +14,10 @@ Endpoints:
                              with usage. A leading system message is folded into the first user message, as the chat
                              format has no system role (nanotrain.tokenizer.render_conversation). The calculator runs
                              inside generation; its call reaches the client as readable text, as chat_cli shows it.
+  POST /v1/completions       prompt (a string, token ids, or a list of either), max_tokens (0 with echo), temperature,
+                             top_k, seed, echo, logprobs (the top n per token, at most 5): text completion with the
+                             log-probability of every token, so lm-evaluation-harness's `local-completions` model
+                             scores log-likelihood tasks on the native checkpoint (a text prompt starts with <|bos|>).
   GET /v1/models, GET /health, GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
 Requests are decoded together with continuous batching (nanotrain.batch_engine: a request joins the running batch at
 the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429); a client that goes away
@@ -26,6 +30,7 @@ that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --ho
 import asyncio
 import json
 import os
+import threading
 import time
 import uuid
 
@@ -118,6 +123,19 @@ def parse_request(body, context_len, tokenizer):
     if len(ids) + n > context_len:
         raise APIError(400, f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({n}) exceeds the model's "
                             f"context of {context_len} tokens", "max_tokens")
+    temperature, top_k, seed = parse_sampling(body)
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "stop: expected a string or a list of at most 4 non-empty strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(400, "stream: expected true or false", "stream")
+    return ids, n, temperature, top_k, seed, stop, stream
+
+
+def parse_sampling(body):
+    """(temperature, top_k or None, seed) of a request dict, checked. Raises APIError(400) naming the field."""
     temperature = body.get("temperature", 1.0)
     temperature = 1.0 if temperature is None else temperature
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
@@ -128,14 +146,7 @@ def parse_request(body, context_len, tokenizer):
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
         raise APIError(400, "seed: expected an integer in [0, 2**63)", "seed")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "stop: expected a string or a list of at most 4 non-empty strings", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "stream: expected true or false", "stream")
-    return ids, n, float(temperature), top_k or None, 42 if seed is None else seed, stop, stream
+    return float(temperature), top_k or None, 42 if seed is None else seed
 
 
 def make_app(batch, tokenizer, model_id, key):
@@ -194,6 +205,79 @@ def make_app(batch, tokenizer, model_id, key):
         if len(text) > len(shown):
             emit(text[len(shown):])
         return req.finish_reason or "stop", len(out)
+
+    score_lock = threading.Lock()
+
+    def complete(ids, n, temperature, top_k, seed, echo, logprobs):
+        """One completion choice: the new tokens (through the batch engine), and with echo or logprobs the
+        log-probabilities of every token from one forward of prompt + completion."""
+        gen = list(batch.submit(ids, n, temperature, top_k, seed)) if n > 0 else []
+        full = ids + gen
+        first = 0 if echo else len(ids)
+        choice = {"text": tokenizer.decode(full[first:]), "finish_reason": "length" if len(gen) >= n else "stop",
+                  "logprobs": None, "completion_tokens": len(gen)}
+        if logprobs is not None:
+            with score_lock, torch.inference_mode():
+                lp = torch.log_softmax(batch.model(torch.tensor([full], device=batch.model.wte.weight.device))[0], -1)
+            tokens = [tokenizer.decode([t]) for t in full]
+            token_lp = [None] + [float(lp[i - 1, full[i]]) for i in range(1, len(full))]
+            top = [None] + [{tokenizer.decode([int(j)]): float(v) for v, j in zip(*lp[i - 1].topk(max(1, logprobs)))}
+                            for i in range(1, len(full))]
+            offsets, pos = [], 0
+            for t in tokens[first:]:
+                offsets.append(pos)
+                pos += len(t)
+            choice["logprobs"] = {"tokens": tokens[first:], "token_logprobs": token_lp[first:],
+                                  "top_logprobs": top[first:], "text_offset": offsets}
+        return choice
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(APIError(422, f"the body is not JSON: {e}"))
+        if not isinstance(body, dict):
+            return error(APIError(400, "the request body must be a JSON object"))
+        prompt = body.get("prompt")
+        is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)  # noqa: E731
+                                                              and 0 <= t < tokenizer.get_vocab_size() for t in p)
+        if isinstance(prompt, str) or is_ids(prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+            prompts = prompt
+        else:
+            return error(APIError(400, "prompt: expected a string, a list of token ids, or a list of either", "prompt"))
+        bos = tokenizer.get_bos_token_id()
+        prompts = [tokenizer.encode(p, prepend=bos) if isinstance(p, str) else list(p) for p in prompts]
+        echo, logprobs = body.get("echo", False), body.get("logprobs")
+        n = body.get("max_tokens", 16)
+        if not isinstance(echo, bool):
+            return error(APIError(400, "echo: expected true or false", "echo"))
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or
+                                     not 0 <= logprobs <= 5):
+            return error(APIError(400, "logprobs: expected an integer in [0, 5]", "logprobs"))
+        if not isinstance(n, int) or isinstance(n, bool) or n < (0 if echo else 1):
+            return error(APIError(400, "max_tokens: expected an integer >= 1 (>= 0 with echo)", "max_tokens"))
+        if len(prompts) > max_messages or max(map(len, prompts)) + n > context_len:
+            return error(APIError(400, f"prompt: at most {max_messages} prompts of at most {context_len} tokens with "
+                                       f"max_tokens", "prompt"))
+        try:
+            temperature, top_k, seed = parse_sampling(body)
+        except APIError as e:
+            return error(e)
+        loop = asyncio.get_running_loop()
+        try:
+            choices = [await loop.run_in_executor(None, complete, ids, n, temperature, top_k, seed, echo, logprobs)
+                       for ids in prompts]
+        except QueueFull:
+            return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
+                                  "rate_limit_error"))
+        used = sum(c.pop("completion_tokens") for c in choices)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_id, "choices": [dict(c, index=i) for i, c in enumerate(choices)],
+                "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": used}}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

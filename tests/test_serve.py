@@ -187,6 +187,38 @@ def test_a_client_gone_mid_stream_frees_its_row(server):
     assert status == 200
 
 
+def test_completions_logprobs_are_the_models(server):
+    """
+    POST /v1/completions with token ids, echo, logprobs 1 and max_tokens 1, as lm-evaluation-harness's
+    local-completions asks for a log-likelihood: token_logprobs is None first, then for every later token the model's
+    own log-softmax of it given its prefix (one forward of the checkpoint here, to 1e-4), top_logprobs' best value is
+    at least each token's, and the one new token is the greedy one. A text prompt starts with <|bos|>. Catches
+    logprobs shifted by one position, of the wrong token, or from the soft-capped logits of another position.
+    """
+    url, base = server
+    os.environ["NANOTRAIN_BASE_DIR"] = str(base)
+    from nanotrain.checkpoint import load_model
+    model, tok, _, _ = load_model("base", "tiny", -1, torch.device("cpu"))
+    ids = tok.encode("The capital of France is", prepend=tok.get_bos_token_id())
+    req = urllib.request.Request(url + "/v1/completions", method="POST", headers={
+        "Content-Type": "application/json", "Authorization": "Bearer k"}, data=json.dumps(
+        {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        choice = json.loads(r.read())["choices"][0]
+    lp = choice["logprobs"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0]
+    want = torch.log_softmax(logits, -1)
+    greedy = int(logits[-1].argmax())
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids) + 1
+    for i in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][i] - float(want[i - 1, ids[i]])) < 1e-4, i
+        assert max(lp["top_logprobs"][i].values()) >= lp["token_logprobs"][i] - 1e-6
+    assert lp["tokens"][-1] == tok.decode([greedy]) and choice["text"] == tok.decode(ids + [greedy])
+    status, obj = post(url, None, raw=b"")  # the chat route still answers after: a bad body is its 422
+    assert status == 422
+
+
 def test_the_chat_page_is_served(server):
     """GET / is the chat page: one HTML file that posts to /v1/chat/completions with stream on and loads nothing
     from another host. Catches a page that is missing or pulls a script from a CDN."""
