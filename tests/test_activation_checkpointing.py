@@ -349,7 +349,7 @@ def test_discovery_finds_a_larger_batch_and_its_own_cache_entry(tmp_path, monkey
                                                 device_memory_gb=gb, **args)
     assert plain < 16 <= ckpt, (plain, ckpt)
     assert not rec_ckpt["cache_hit"] and rec_ckpt["cache_path"] != rec_plain["cache_path"]
-    assert rec_ckpt["cache_key"]["key_fields"]["activation_checkpointing"] is True
+    assert rec_ckpt["cache_key"]["key_fields"]["activation_checkpointing"] == "full"
     assert os.path.exists(rec_plain["cache_path"]) and os.path.exists(rec_ckpt["cache_path"])
 
 
@@ -384,8 +384,8 @@ def test_base_train_same_losses(base_dir):
     with open(os.path.join(base_dir, "base", "ac", "auto_batch_size.json")) as f:
         record = json.load(f)
     assert record["device_batch_size"] == 4 and record["cache_key"]["key_fields"]["activation_checkpointing"] == "full"
-    with open(os.path.join(base_dir, "base", "ac", "config.json")) as f:  # the setting as given, read as full
-        assert json.load(f)["activation_checkpointing"] == "True"
+    with open(os.path.join(base_dir, "base", "ac", "config.json")) as f:  # the setting as given
+        assert json.load(f)["activation_checkpointing"] == "full"
 
 
 @pytest.mark.smoke
