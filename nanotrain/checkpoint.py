@@ -392,7 +392,7 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
     return model, tokenizer, path, ckpt["meta"]
 
 
-# ----------------------------------------------------------------------------- checkpoint_read
+# ----------------------------------------------------------------------------- reading a checkpoint back, every file verified
 
 CHECKPOINT_FORMAT = 2  # 2: the model gained value embeddings, smear, backout and x0/resid lambdas
 OSFT_FILE = "osft.pt"  # the frozen bases of an OSFT stage (nanotrain.osft), when it has them

@@ -329,7 +329,7 @@ def git_commit():
         return "unknown"
 
 
-# ----------------------------------------------------------------------------- hardware
+# ----------------------------------------------------------------------------- hardware: bf16 speed, peak FLOP/s, compile toolchain
 
 def check_compile_toolchain(device):
     """

@@ -419,7 +419,7 @@ def build_model(model_config, device, checkpoint=None, vocab_size=None, init_dev
     return model
 
 
-# ----------------------------------------------------------------------------- recompute
+# ----------------------------------------------------------------------------- activation checkpointing
 
 POLICIES = ("none", "selective", "full")  # cheapest in compute first
 # aten ops whose outputs "selective" keeps: the matmuls and the attention kernels (CPU, CUDA flash / efficient /

@@ -222,7 +222,7 @@ def compile_optimizer_step(optimizers, device, backend="inductor", log=print0):
     return True
 
 
-# ----------------------------------------------------------------------------- muon
+# ----------------------------------------------------------------------------- Muon
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz coefficients (Keller Jordan 2024, modded-nanogpt)
 # Polar Express (Amsel, Persson, Musco, Gower 2025, "The Polar Express: Optimal Matrix Sign Methods and Their
