@@ -219,6 +219,21 @@ def test_completions_logprobs_are_the_models(server):
     assert status == 422
 
 
+def test_serve_bench_runs_against_the_server(server):
+    """scripts/serve_bench.py against the running server at 1 and 2 concurrent streams: one JSON object with ttft,
+    per-stream and aggregate tokens/s per concurrency. Catches a benchmark that cannot talk to the server it measures
+    (a wrong route, auth not sent)."""
+    url, base = server
+    r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "serve_bench.py"), f"--url={url}/v1",
+                        "--api_key=k", "--concurrency=1,2", "--max_tokens=4", "--rounds=1"], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, NANOTRAIN_BASE_DIR=str(base)), cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout[r.stdout.index("{"):])
+    assert set(out["by_concurrency"]) == {"1", "2"}
+    for row in out["by_concurrency"].values():
+        assert 0 < row["ttft_p50"] <= row["ttft_p90"] and row["aggregate_tok_s"] > 0
+
+
 def test_the_chat_page_is_served(server):
     """GET / is the chat page: one HTML file that posts to /v1/chat/completions with stream on and loads nothing
     from another host. Catches a page that is missing or pulls a script from a CDN."""
