@@ -23,6 +23,17 @@ from nanotrain.engine import ToolState
 from nanotrain.errors import UserError
 
 
+def rows_view(cache, hi):
+    """A per-row KVCache over rows 0..hi-1 of `cache` (per-row mode), sharing its keys, values and lengths (a forward
+    with it advances those rows' lengths in `cache` too); its pos is the longest of those rows."""
+    view = KVCache.__new__(KVCache)
+    view.k_cache, view.v_cache = cache.k_cache[:, :hi], cache.v_cache[:, :hi]
+    view.n_layer, view.max_len, view.lengths = cache.n_layer, cache.max_len, cache.lengths[:hi]
+    view.pos = int(view.lengths.max())
+    view.prev_embedding = None if cache.prev_embedding is None else cache.prev_embedding[:hi]
+    return view
+
+
 class QueueFull(Exception):
     """submit() found max_queue requests waiting already."""
 
@@ -138,8 +149,14 @@ class BatchEngine:
             self._emit(r, req, logits[0], cache, last)
         decoding = [r for r, req in enumerate(self.rows) if req is not None]
         if decoding:
-            logits = self.model(last, kv_cache=cache, last_only=True)[:, -1, :]  # (max_batch, vocab) fp32
-            for r in range(self.max_batch):  # free rows took a token too: they hold nothing of use
+            hi = decoding[-1] + 1  # rows 0..hi-1 only: requests take the lowest free rows, the rest stay idle
+            view = rows_view(cache, hi)
+            logits = self.model(last[:hi], kv_cache=view, last_only=True)[:, -1, :]  # (hi, vocab) fp32
+            if view.prev_embedding is not None:  # smear keeps each row's last embedding
+                if cache.prev_embedding is None:
+                    cache.prev_embedding = view.prev_embedding.new_zeros(self.max_batch, *view.prev_embedding.shape[1:])
+                cache.prev_embedding[:hi] = view.prev_embedding
+            for r in range(hi):  # free rows took a token too: they hold nothing of use
                 if self.rows[r] is None:
                     cache.lengths[r] = 0
             for r in decoding:
