@@ -271,7 +271,8 @@ RULES = {
     "max_batch": COUNT,
     "max_queue": COUNT,
     "max_body_bytes": COUNT,
-    "max_messages": COUNT,  # gpu_check: optimizer steps of the depth-20 run after the batch-size discovery
+    "max_messages": COUNT,
+    "rounds": COUNT,  # serve_bench: rounds per concurrency  # gpu_check: optimizer steps of the depth-20 run after the batch-size discovery
 }
 SUFFIX_RULES = (
     ("_run_name", run_name_rule()),  # base_run_name, source_run_name, ...
