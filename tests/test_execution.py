@@ -343,29 +343,7 @@ def test_ten_children_holding_memory_are_bounded_per_program():
     if probe is None:
         pytest.skip("no cgroup can be made here: memory is bounded per process only (NPROC x memory_bytes)")
     probe.remove()
-    code = """
-import ctypes, os, time
-libc = ctypes.CDLL(None)
-kids = []
-for _ in range(10):
-    pid = libc.fork()
-    if pid == 0:
-        b = bytearray(100 * 2**20)
-        for i in range(0, len(b), 4096):
-            b[i] = 1
-        time.sleep(3)
-        os._exit(0)
-    kids.append(pid)
-time.sleep(1.0)
-total = 0
-for pid in kids:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            total += sum(int(line.split()[1]) for line in f if line.startswith(("VmRSS", "VmSwap")))
-    except OSError:
-        pass
-print("held_mb", total // 1024)
-"""
+    code = forking_children(10, 100)
     result = run_program(code, timeout_s=3, memory_bytes=256 * 2**20)
     assert "held_mb" in result.stdout, result
     assert int(result.stdout.split()[-1]) <= 256 + 32
@@ -453,3 +431,31 @@ def test_non_root_without_bwrap_refuses_unless_unsafe_code():
         "--unsafe_code=True" in refused["refused"], refused
     ran, _, _ = as_non_root("print('ran')", path="/nonexistent", unsafe_code=True)
     assert ran["isolation"] == "none" and ran["passed"] and ran["stdout"] == "ran\n"
+
+
+def forking_children(n, mb):
+    """A program that forks n children (os.fork itself is guarded: libc's fork), each touching mb MB and sleeping 3 s,
+    then prints "held_mb <the children's resident + swapped MB>" read from /proc one second in."""
+    return f"""
+import ctypes, os, time
+libc = ctypes.CDLL(None)
+kids = []
+for _ in range({n}):
+    pid = libc.fork()
+    if pid == 0:
+        b = bytearray({mb} * 2**20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        time.sleep(3)
+        os._exit(0)
+    kids.append(pid)
+time.sleep(1.0)
+total = 0
+for pid in kids:
+    try:
+        with open(f"/proc/{{pid}}/status") as f:
+            total += sum(int(line.split()[1]) for line in f if line.startswith(("VmRSS", "VmSwap")))
+    except OSError:
+        pass
+print("held_mb", total // 1024)
+"""

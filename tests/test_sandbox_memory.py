@@ -7,36 +7,14 @@ import os
 import shutil
 
 import pytest
-from test_execution import LINUX, ROOT, as_non_root, bwrap_works_for_others
+from test_execution import LINUX, ROOT, as_non_root, bwrap_works_for_others, forking_children
 
 from nanotrain.sandbox import execution
 from nanotrain.sandbox.sweep import Cgroup
 
 pytestmark = pytest.mark.unit
 
-CHILDREN = """
-import ctypes, os, time
-libc = ctypes.CDLL(None)
-kids = []
-for _ in range(6):
-    pid = libc.fork()
-    if pid == 0:
-        b = bytearray(60 * 2**20)
-        for i in range(0, len(b), 4096):
-            b[i] = 1
-        time.sleep(3)
-        os._exit(0)
-    kids.append(pid)
-time.sleep(1.0)
-total = 0
-for pid in kids:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            total += sum(int(line.split()[1]) for line in f if line.startswith(("VmRSS", "VmSwap")))
-    except OSError:
-        pass
-print("held_mb", total // 1024)
-"""
+CHILDREN = forking_children(6, 60)
 
 FILL_TMP = """
 import os
