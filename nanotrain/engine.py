@@ -32,6 +32,19 @@ from nanotrain.errors import UserError
 MAX_BATCH = 64  # at most this many prompts share one KV cache
 
 
+# how the tool's special tokens are shown to a person: <|python_start|>37 + 48<|python_end|><|output_start|>85
+# <|output_end|> reads [calculator: 37 + 48 -> 85] (chat_cli, chat_serve)
+SHOWN = {"<|python_start|>": "[calculator: ", "<|python_end|>": "", "<|output_start|>": " -> ",
+         "<|output_end|>": "]"}
+
+
+def readable(text):
+    """A decoded reply (special tokens as their strings) with the calculator's tokens shown as SHOWN says."""
+    for token, shown in SHOWN.items():
+        text = text.replace(token, shown)
+    return text
+
+
 class ToolState:
     """
     One row's tool state machine (see the module docstring): feed it every token of the row in order; forced()

@@ -20,7 +20,7 @@ import torch
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
-from nanotrain.engine import Engine
+from nanotrain.engine import Engine, readable
 from nanotrain.errors import UserError
 
 for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` -> --prompt=text
@@ -51,12 +51,6 @@ def check_settings():
         raise UserError(f"--prompt={prompt!r} (-p): expected a non-empty message; leave out -p to chat interactively")
 
 
-# how the tool's special tokens are shown: <|python_start|>37 + 48<|python_end|><|output_start|>85<|output_end|>
-# reads [calculator: 37 + 48 -> 85]
-SHOWN = {"<|python_start|>": "[calculator: ", "<|python_end|>": "", "<|output_start|>": " -> ",
-         "<|output_end|>": "]"}
-
-
 def latest_stage():
     """The stage whose checkpoint chat_cli loads by default: rl, then sft, then mid, the first with a checkpoint of
     --run_name (any run when it is ""). Raises UserError when none has one."""
@@ -65,13 +59,6 @@ def latest_stage():
             return stage
     raise UserError("no rl, sft or mid checkpoint found; train a chat model first (python scripts/chat_sft.py), or "
                     "pass --source=base")
-
-
-def readable(text):
-    """The decoded reply (special tokens as their strings) with the tool's tokens shown as SHOWN says."""
-    for token, shown in SHOWN.items():
-        text = text.replace(token, shown)
-    return text
 
 
 def assistant_parts(text):

@@ -41,6 +41,7 @@ from nanotrain.batch_engine import BatchEngine, QueueFull
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
+from nanotrain.engine import readable
 from nanotrain.errors import UserError
 
 # ----------------------------------------------------------------------------- settings
@@ -61,16 +62,7 @@ device_type = ""  # cuda | mps | cpu; "" autodetects
 config = configure(globals())
 # -----------------------------------------------------------------------------
 
-SHOWN = {"<|python_start|>": "[calculator: ", "<|python_end|>": "", "<|output_start|>": " -> ",
-         "<|output_end|>": "]"}  # the tool's special tokens as the client reads them (as chat_cli shows them)
 HTML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_serve.html")
-
-
-def readable(text):
-    """The decoded reply with the calculator's special tokens shown as SHOWN says."""
-    for token, shown in SHOWN.items():
-        text = text.replace(token, shown)
-    return text
 
 
 class APIError(Exception):
