@@ -4,12 +4,16 @@ batch. One thread owns the model and a KVCache of max_batch rows in its per-row 
 a new request is prefilled into a free row (its prompt alone, KVCache.rows / set_rows) at the next step and then
 decodes with the others, one token per row per step, each row at its own position and attending to its own tokens
 only; a request leaves its row when it stops (<|assistant_end|> or <|bos|>), reaches its max_tokens or is cancelled
-(a client gone), and the row is free for the next one at the following step. Temperature, top_k, seed and max_tokens
+(a client gone), and the row is free for the next one at the following step. Busy rows are kept at the bottom (the
+highest one moves into a freed row below it, keys and values copied), so a step computes exactly the busy rows. Temperature, top_k, seed and max_tokens
 are per request (each request samples with its own torch.Generator). With greedy decoding a request gets the tokens
 it would get alone through nanotrain.engine.Engine (the same per-row masking as Engine's mixed-length batches: equal
 up to floating-point reduction order). The calculator tool runs per row as in Engine (ToolState). Requests beyond the
-free rows wait in a bounded queue (max_queue); submit() refuses more with QueueFull. The continuous-batching idea is
-Orca's (Yu et al. 2022, "Orca: A Distributed Serving System for Transformer-Based Generative Models").
+free rows wait in a bounded queue (max_queue); submit() refuses more with QueueFull. A reader either iterates a
+Request (blocking, a thread per request) or, as the server does, takes what has come with Request.drain() when the
+engine's `notify` callback names it (called once per decode step with every request that got something: one wake-up
+per step, not per token). The continuous-batching idea is Orca's (Yu et al. 2022, "Orca: A Distributed Serving
+System for Transformer-Based Generative Models").
 """
 
 import queue
@@ -24,12 +28,15 @@ from nanotrain.errors import UserError
 
 
 def rows_view(cache, hi):
-    """A per-row KVCache over rows 0..hi-1 of `cache` (per-row mode), sharing its keys, values and lengths (a forward
-    with it advances those rows' lengths in `cache` too); its pos is the longest of those rows."""
+    """A KVCache over rows 0..hi-1 of `cache` (per-row mode), sharing its keys and values: per-row too, sharing the
+    lengths (a forward with it advances those rows' lengths in `cache`), its pos the longest of those rows; for one
+    row, a uniform cache at that row's length (no mask: the one-prompt path of Engine; the caller copies its pos
+    back into the row's length)."""
     view = KVCache.__new__(KVCache)
     view.k_cache, view.v_cache = cache.k_cache[:, :hi], cache.v_cache[:, :hi]
-    view.n_layer, view.max_len, view.lengths = cache.n_layer, cache.max_len, cache.lengths[:hi]
-    view.pos = int(view.lengths.max())
+    view.n_layer, view.max_len = cache.n_layer, cache.max_len
+    view.lengths = cache.lengths[:hi] if hi > 1 else None
+    view.pos = int(cache.lengths[:hi].max())
     view.prev_embedding = None if cache.prev_embedding is None else cache.prev_embedding[:hi]
     return view
 
@@ -56,6 +63,24 @@ class Request:
     def cancel(self):
         self.cancelled.set()
 
+    def drain(self):
+        """
+        Without blocking: (the token ids that have come since the last call, done). done is True once the request
+        has ended (finish_reason set); raises what the engine's thread raised for it. For readers woken by the
+        engine's notify instead of a blocking iteration.
+        """
+        tokens = []
+        while True:
+            try:
+                item = self.tokens.get_nowait()
+            except queue.Empty:
+                return tokens, False
+            if item is None:
+                return tokens, True
+            if isinstance(item, BaseException):
+                raise item
+            tokens.append(item)
+
     def __iter__(self):
         while True:
             item = self.tokens.get()
@@ -70,11 +95,13 @@ class BatchEngine:
     """
     Continuous batching over `model` (a nanotrain.gpt.GPT in eval mode) and `tokenizer`: at most max_batch requests
     decode together, at most max_queue wait; a daemon thread runs the steps. context_len: the most tokens a row may
-    hold (prompt + new tokens), default the model's max_seq_len.
+    hold (prompt + new tokens), default the model's max_seq_len. notify: None, or a callable the engine's thread
+    calls after each step with the list of Requests that got tokens or ended in it (it must not block; a server
+    hands it to its event loop). It may be set after construction.
     """
 
-    def __init__(self, model, tokenizer, max_batch=8, max_queue=16, context_len=None):
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+    def __init__(self, model, tokenizer, max_batch=8, max_queue=16, context_len=None, notify=None):
+        self.model, self.tokenizer, self.max_batch, self.notify = model, tokenizer, max_batch, notify
         self.context_len = context_len or model.config.max_seq_len
         self.stop_ids = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
         self.waiting = queue.Queue(maxsize=max_queue)
@@ -85,6 +112,10 @@ class BatchEngine:
     def active(self):
         """How many rows are decoding now (int)."""
         return sum(r is not None for r in self.rows)
+
+    def load(self):
+        """Requests decoding or waiting (int): what a server balancing several engines compares."""
+        return self.active() + self.waiting.qsize()
 
     def submit(self, prompt, max_tokens, temperature=0.0, top_k=None, seed=42, tool=False):
         """
@@ -118,59 +149,117 @@ class BatchEngine:
                 self.wake.wait()
                 self.wake.clear()
                 continue
+            touched = []
             try:
                 with torch.inference_mode():
-                    self._step(cache, last)
+                    self._step(cache, last, touched)
             except Exception as e:  # noqa: BLE001 - every active request gets the error; the engine goes on
                 for r, req in enumerate(self.rows):
                     if req is not None:
                         req.tokens.put(e)
+                        touched.append(req)
                         self.rows[r] = None
                 cache.reset()
+            if self.notify is not None and touched:
+                self.notify(touched)
 
-    def _step(self, cache, last):
-        """Admits waiting requests into free rows (prefill: their first token), then one decode step of every
-        active row (a fresh row feeds its first token); each row's token goes to its request."""
-        for r in range(self.max_batch):
-            if self.rows[r] is not None or self.waiting.empty():
-                continue
+    def _step(self, cache, last, touched):
+        """Admits waiting requests into the free rows (prefill: their first token), then one decode step of every
+        busy row (a fresh row feeds its first token); each row's token goes to its request, and every request that
+        got something is appended to `touched`."""
+        self._compact(cache, last)
+        admitted = []
+        while self.active() + len(admitted) < self.max_batch and not self.waiting.empty():
             req = self.waiting.get_nowait()
             if req.cancelled.is_set():
                 req.tokens.put(None)
+                touched.append(req)
                 continue
             req.rng = torch.Generator(device=cache.k_cache.device).manual_seed(req.seed)
             req.state = ToolState(self.tokenizer) if req.tool else None
             req.count = 0
-            sub = cache.rows(r, r + 1)
-            ids = torch.tensor([req.prompt], dtype=torch.long, device=last.device)
-            logits = self.model(ids, kv_cache=sub, last_only=True)[:, -1, :]
-            cache.set_rows(r, sub)
-            self.rows[r] = req
-            self._emit(r, req, logits[0], cache, last)
-        decoding = [r for r, req in enumerate(self.rows) if req is not None]
-        if decoding:
-            hi = decoding[-1] + 1  # rows 0..hi-1 only: requests take the lowest free rows, the rest stay idle
-            view = rows_view(cache, hi)
-            logits = self.model(last[:hi], kv_cache=view, last_only=True)[:, -1, :]  # (hi, vocab) fp32
+            admitted.append(req)
+        if admitted:
+            self._prefill(admitted, cache, last)
+            touched.extend(admitted)
+        self._compact(cache, last)
+        n = self.active()  # rows 0..n-1 decode, the rest are free: requests always sit in the lowest rows
+        if n:
+            view = rows_view(cache, n)
+            logits = self.model(last[:n], kv_cache=view, last_only=True)[:, -1, :]  # (n, vocab) fp32
+            if view.lengths is None:  # one row, decoded as a uniform cache
+                cache.lengths[0] = view.pos
             if view.prev_embedding is not None:  # smear keeps each row's last embedding
                 if cache.prev_embedding is None:
                     cache.prev_embedding = view.prev_embedding.new_zeros(self.max_batch, *view.prev_embedding.shape[1:])
-                cache.prev_embedding[:hi] = view.prev_embedding
-            for r in range(hi):  # free rows took a token too: they hold nothing of use
-                if self.rows[r] is None:
-                    cache.lengths[r] = 0
-            for r in decoding:
-                self._emit(r, self.rows[r], logits[r], cache, last)
+                cache.prev_embedding[:n] = view.prev_embedding
+            greedy = logits.argmax(dim=-1).tolist()  # one reduction for every row; sampled rows redo their own
+            for r in range(n):
+                touched.append(self.rows[r])
+                self._emit(r, self.rows[r], logits[r], greedy[r], cache, last)
         cache.pos = int(cache.lengths.max()) if cache.lengths is not None else 0
 
-    def _emit(self, r, req, logits, cache, last):
-        """Picks row r's next token from its logits (vocab,) (or the tool's forced one), hands it to the request and
-        frees the row when the request is done."""
+    def _prefill(self, admitted, cache, last):
+        """
+        Prefills the admitted requests' prompts into the free rows lo.. (lo = the busy rows' count), a group of them
+        per forward: the group's prompts right-padded to its longest, from position 0, causal, so a row's logits at
+        its last prompt token see its own tokens only (the pad's keys sit past the row's length, which is then set
+        to the prompt's: masked out from there on and overwritten by the row's next tokens). The pad repeats the
+        prompt's last token, so the embedding the cache keeps of the last token fed (smear's) is the row's own.
+        Groups: the prompts by length, a new group when a prompt is over twice the group's shortest + 32 tokens
+        (bounded padding). Emits each request's first token.
+        """
+        lo, device = self.active(), last.device
+        groups = []
+        for req in sorted(admitted, key=lambda r: len(r.prompt)):
+            n = len(req.prompt)
+            if groups and n <= 2 * len(groups[-1][0].prompt) + 32:
+                groups[-1].append(req)
+            else:
+                groups.append([req])
+        for group in groups:
+            lens = [len(r.prompt) for r in group]
+            ids = torch.tensor([r.prompt + [r.prompt[-1]] * (lens[-1] - len(r.prompt)) for r in group],
+                               dtype=torch.long, device=device)  # (k, longest) int64, right-padded
+            sub = cache.rows(lo, lo + len(group))
+            at = torch.tensor(lens, device=device) - 1
+            logits = self.model(ids, kv_cache=sub, logits_at=at)[:, 0, :]  # (k, vocab) fp32
+            cache.set_rows(lo, sub)
+            for i, req in enumerate(group):
+                cache.lengths[lo + i] = lens[i]
+                self.rows[lo + i] = req
+                self._emit(lo + i, req, logits[i], None, cache, last)
+            lo += len(group)
+
+    def _compact(self, cache, last):
+        """Moves the highest busy rows into the free rows below them (their keys and values up to their length,
+        length, last token, smear embedding, request), so that the busy rows are 0..active-1 and a decode step
+        computes only those: a request that ends early does not leave a hole that the others' steps pay for."""
+        lo, hi = 0, self.max_batch - 1
+        while True:
+            while lo < self.max_batch and self.rows[lo] is not None:
+                lo += 1
+            while hi >= 0 and self.rows[hi] is None:
+                hi -= 1
+            if lo >= hi:
+                return
+            n = int(cache.lengths[hi])
+            cache.k_cache[:, lo, :, :n] = cache.k_cache[:, hi, :, :n]
+            cache.v_cache[:, lo, :, :n] = cache.v_cache[:, hi, :, :n]
+            cache.lengths[lo], cache.lengths[hi] = n, 0
+            if cache.prev_embedding is not None:
+                cache.prev_embedding[lo] = cache.prev_embedding[hi]
+            last[lo] = last[hi]
+            self.rows[lo], self.rows[hi] = self.rows[hi], None
+
+    def _emit(self, r, req, logits, greedy, cache, last):
+        """Picks row r's next token from its logits (vocab,) (or the tool's forced one; greedy: the argmax already
+        taken, or None), hands it to the request and frees the row when the request is done."""
         forced = req.state.next_forced() if req.state is not None else None
         if forced is not None:
             tok = forced
         elif req.temperature == 0:
-            tok = int(logits.argmax())
+            tok = int(logits.argmax()) if greedy is None else greedy
         else:
             scaled = logits / req.temperature
             if req.top_k and req.top_k < scaled.numel():

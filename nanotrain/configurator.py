@@ -264,15 +264,17 @@ RULES = {
     "prefetch": ints(0, also=-1, note="-1 is the loader's default"),
     "loader_seconds": reals(0, lo_open=True),
     "budget_s": reals(0, lo_open=True, note="seconds"),  # gpu_check: wall-clock seconds for the whole check
-    "d20_steps": COUNT,
+    "d20_steps": COUNT,  # gpu_check: optimizer steps of the depth-20 run after the batch-size discovery
     # the server (scripts/chat_serve.py)
     "port": ints(0, note="0 picks a free port"),
     "context_len": ints(0, note="0: the model's max_seq_len"),
     "max_batch": COUNT,
+    "num_gpus": COUNT,
     "max_queue": COUNT,
     "max_body_bytes": COUNT,
     "max_messages": COUNT,
-    "rounds": COUNT,  # serve_bench: rounds per concurrency  # gpu_check: optimizer steps of the depth-20 run after the batch-size discovery
+    "rounds": COUNT,  # serve_bench: rounds per concurrency
+    "cpu_threads": ints(0, note="0: every core but one"),
 }
 SUFFIX_RULES = (
     ("_run_name", run_name_rule()),  # base_run_name, source_run_name, ...

@@ -45,6 +45,28 @@ def readable(text):
     return text
 
 
+class TextStream:
+    """
+    The text of a stream of token ids, piece by piece (chat_cli, sample.py, chat_serve): add(tokens) returns the
+    text those tokens add, with show() applied (e.g. readable). A character whose UTF-8 bytes are split across
+    tokens is held back until the token that completes it, so a piece never ends in half a character (U+FFFD) unless
+    final=True says no more tokens come; only the tokens since the last complete character are decoded again, not
+    the whole stream. The pieces joined equal show(tokenizer.decode(all tokens)) (special tokens decode whole).
+    """
+
+    def __init__(self, tokenizer, show=lambda text: text):
+        self.tokenizer, self.show, self.pending = tokenizer, show, []
+
+    def add(self, tokens, final=False):
+        """The text of `tokens` (list[int]) and of those held back before them; "" while a character is open."""
+        self.pending += tokens
+        text = self.tokenizer.decode(self.pending)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        self.pending = []
+        return self.show(text)
+
+
 class ToolState:
     """
     One row's tool state machine (see the module docstring): feed it every token of the row in order; forced()

@@ -280,11 +280,12 @@ class GPT(nn.Module):
         return x + gate.to(x.dtype) * prev
 
     def forward(self, idx, targets=None, kv_cache=None, loss_reduction="mean", doc_ids=None, last_only=False,
-                logits_from=None):
+                logits_from=None, logits_at=None):
         """
         idx: int64 (B, T) token ids. Without targets returns fp32 logits (B, T, vocab_size) (soft-capped at +-15), or
-        (B, 1, vocab_size) for the last position only with last_only=True (generation), or (B, T - logits_from,
-        vocab_size) for the positions from logits_from on (an int; scoring a continuation).
+        (B, 1, vocab_size) for the last position only with last_only=True (generation), or for position logits_at[b]
+        of each row b (logits_at int64 (B,); right-padded prompts' last tokens), or (B, T - logits_from, vocab_size)
+        for the positions from logits_from on (an int; scoring a continuation).
         With targets (int64 (B, T), -1 = ignored) returns the fp32 cross-entropy: a scalar for loss_reduction "mean"
         or "sum", (B*T,) for "none" (0 at ignored positions). "sum" over no counted target is 0 (not NaN); "mean"
         over none is NaN. The loss never materialises the logits: nanotrain.kernels.linear_cross_entropy computes
@@ -346,6 +347,8 @@ class GPT(nn.Module):
                                         loss_reduction, self.loss_chunk_size)
         if last_only:
             x = x[:, -1:]
+        elif logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at][:, None]
         elif logits_from is not None:
             x = x[:, logits_from:]
         logits = self.lm_head(x).float()

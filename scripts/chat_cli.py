@@ -20,7 +20,7 @@ import torch
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
-from nanotrain.engine import Engine, readable
+from nanotrain.engine import Engine, TextStream, readable
 from nanotrain.errors import UserError
 
 for _i, _arg in enumerate(sys.argv[1:-1], 1):  # the conventional `-p "text"` -> --prompt=text
@@ -91,14 +91,11 @@ def main():
     def reply(messages, turn):
         """Streams the assistant's answer to `messages` to stdout and returns its text."""
         ids = tokenizer.render_for_completion({"messages": messages})
-        out, shown = [], ""
+        out, stream = [], TextStream(tokenizer, readable)  # never half a character on the terminal
         for tok in engine.generate_stream(ids, max_tokens, temperature, top_k or None, seed + turn, tool=tool):
             out.append(tok)
-            text = readable(tokenizer.decode(out))  # decode it all: a token may end inside a UTF-8 character
-            if not text.endswith("\ufffd"):
-                print(text[len(shown):], end="", flush=True)
-                shown = text
-        print(readable(tokenizer.decode(out))[len(shown):], flush=True)
+            print(stream.add([tok]), end="", flush=True)
+        print(stream.add([], final=True), flush=True)
         return assistant_parts(tokenizer.decode(out))
 
     if prompt:

@@ -8,10 +8,12 @@ OpenAI's chat completions API and a chat page.
 
 Endpoints:
   POST /v1/chat/completions  OpenAI's request and response schema: messages (system, user, assistant), max_tokens or
-                             max_completion_tokens, temperature, top_k (an extension), seed, stop, stream. Streaming
-                             answers Server-Sent Events in OpenAI's chunk format (the first chunk carries the role, the
-                             last finish_reason "stop" or "length", then `data: [DONE]`); otherwise one JSON object
-                             with usage. A leading system message is folded into the first user message, as the chat
+                             max_completion_tokens, temperature, top_k (an extension), seed, stop, stream,
+                             stream_options. Streaming answers Server-Sent Events in OpenAI's chunk format (the first
+                             chunk carries the role, the last finish_reason "stop" or "length", then with
+                             stream_options.include_usage one with the usage, then `data: [DONE]`); a chunk carries
+                             what was decoded since the one before (one token unless the client reads slower than
+                             the engine decodes), never half a character. Otherwise one JSON object with usage. A leading system message is folded into the first user message, as the chat
                              format has no system role (nanotrain.tokenizer.render_conversation). The calculator runs
                              inside generation; its call reaches the client as readable text, as chat_cli shows it.
   POST /v1/completions       prompt (a string, token ids, or a list of either), max_tokens (0 with echo), temperature,
@@ -20,7 +22,8 @@ Endpoints:
                              scores log-likelihood tasks on the native checkpoint (a text prompt starts with <|bos|>).
   GET /v1/models, GET /health, GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
 Requests are decoded together with continuous batching (nanotrain.batch_engine: a request joins the running batch at
-the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429); a client that goes away
+the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429); with --num_gpus=N one
+engine (a copy of the model) per GPU, each request going to the least loaded (decoding + waiting); a client that goes away
 mid-stream frees its row within one decode step, and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
 "param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
 range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body over --max_body_bytes), 422 (JSON
@@ -28,6 +31,7 @@ that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --ho
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -41,7 +45,7 @@ from nanotrain.batch_engine import BatchEngine, QueueFull
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
-from nanotrain.engine import readable
+from nanotrain.engine import TextStream, readable
 from nanotrain.errors import UserError
 
 # ----------------------------------------------------------------------------- settings
@@ -57,8 +61,10 @@ max_batch = 8  # requests decoded together at most (rows of the KV cache)
 max_queue = 16  # requests waiting for a free row at most; more are answered 429
 max_body_bytes = 1_000_000  # the largest request body; larger is answered 413
 max_messages = 64  # messages per request at most
+num_gpus = 1  # engines, one per GPU (cuda:0..N-1), each request to the least loaded; on a CPU N engines share the cores
 tool = True  # run the calculator tool when the model calls it
 device_type = ""  # cuda | mps | cpu; "" autodetects
+cpu_threads = 0  # torch's threads when serving on a CPU; 0: every core but one (the HTTP loop's)
 config = configure(globals())
 # -----------------------------------------------------------------------------
 
@@ -79,7 +85,8 @@ class APIError(Exception):
 def parse_request(body, context_len, tokenizer):
     """
     The chat completion request `body` (a dict from JSON) checked field by field: returns (prompt ids, max_tokens,
-    temperature, top_k, seed, stop list, stream). Raises APIError(400) naming the first bad field.
+    temperature, top_k, seed, stop list, stream, include_usage: stream_options.include_usage, a last chunk with the
+    usage before [DONE]). Raises APIError(400) naming the first bad field.
     """
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -123,7 +130,11 @@ def parse_request(body, context_len, tokenizer):
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, "stream: expected true or false", "stream")
-    return ids, n, temperature, top_k, seed, stop, stream
+    options = body.get("stream_options") or {}
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool):
+        raise APIError(400, "stream_options: expected {\"include_usage\": true or false}", "stream_options")
+    return ids, n, temperature, top_k, seed, stop, stream, usage
 
 
 def parse_sampling(body):
@@ -141,34 +152,53 @@ def parse_sampling(body):
     return float(temperature), top_k or None, 42 if seed is None else seed
 
 
-def make_app(batch, tokenizer, model_id, key):
-    """The FastAPI app serving `batch` (a nanotrain.batch_engine.BatchEngine). key: the bearer token required, or
-    ""."""
-    from fastapi import FastAPI, Request
+def make_app(engines, tokenizer, model_id, key):
+    """The FastAPI app serving `engines` (nanotrain.batch_engine.BatchEngines of one checkpoint, one per device; each
+    request goes to the least loaded). key: the bearer token required, or ""."""
+    from fastapi import Depends, FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
-    app = FastAPI(title="nanotrain", docs_url=None, redoc_url=None, openapi_url=None)
-    context_len = batch.context_len
+    loop = None  # the server's event loop, known once it runs
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        for engine in engines:
+            engine.notify = woken
+        yield
+
+    app = FastAPI(title="nanotrain", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    context_len = engines[0].context_len
+
+    def least_loaded():
+        return min(engines, key=lambda e: e.load())
+
+    def counts(prompt_tokens, completion_tokens):
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def error(e):
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            if key and request.headers.get("authorization") != f"Bearer {key}":
-                return error(APIError(401, "invalid or missing API key (Authorization: Bearer ...)", None,
-                                      "authentication_error"))
-            length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-                return error(APIError(413, f"the request body is over {max_body_bytes} bytes"))
-        return await call_next(request)
+    @app.exception_handler(APIError)
+    async def api_error(request, e):
+        return error(e)
+
+    async def guard(request: Request):  # every /v1/ route's dependency (a plain function: no middleware per chunk)
+        if key and request.headers.get("authorization") != f"Bearer {key}":
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", None, "authentication_error")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            raise APIError(413, f"the request body is over {max_body_bytes} bytes")
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_id, "decoding": batch.active(), "waiting": batch.waiting.qsize()}
+        per = [{"decoding": e.active(), "waiting": e.waiting.qsize()} for e in engines]
+        return {"status": "ok", "model": model_id, "decoding": sum(p["decoding"] for p in per),
+                "waiting": sum(p["waiting"] for p in per), "engines": per}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(guard)])
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "nanotrain"}]}
 
@@ -177,32 +207,68 @@ def make_app(batch, tokenizer, model_id, key):
         with open(HTML, encoding="utf-8") as f:
             return f.read()
 
-    def run(req, stop, emit):
-        """Reads the request's tokens as they come; emit(text_delta) per readable piece; returns (finish_reason,
-        completion_tokens)."""
-        out, shown = [], ""
-        for tok in req:
-            out.append(tok)
-            text = readable(tokenizer.decode(out))
-            cut = min((text.find(s) for s in stop if s in text), default=-1)
-            if cut >= 0:
-                req.cancel()
-                if cut > len(shown):
-                    emit(text[len(shown):cut])
-                return "stop", len(out)
-            if not text.endswith("\ufffd"):  # never half a character: wait for the token that completes it
-                emit(text[len(shown):])
-                shown = text
-        text = readable(tokenizer.decode(out))
-        if len(text) > len(shown):
-            emit(text[len(shown):])
-        return req.finish_reason or "stop", len(out)
+    class Reply:
+        """
+        One request's reply as it comes: add(tokens) returns the new readable text (nanotrain.engine.TextStream:
+        never half a character, only the newest tokens decoded again; the calculator shown as chat_cli shows it)
+        and whether a stop string ended it (the text up to it).
+        """
+
+        def __init__(self, stop):
+            self.stop, self.stream, self.text, self.sent, self.count = stop, TextStream(tokenizer, readable), "", 0, 0
+
+        def add(self, tokens, final=False):
+            self.count += len(tokens)
+            self.text += self.stream.add(tokens, final)
+            if self.stop:  # a stop string may span pieces: look from where the longest could start
+                lo = max(0, self.sent - max(map(len, self.stop)))
+                cut = min((i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    out, self.sent = self.text[self.sent:cut], cut
+                    return out, True
+            out, self.sent = self.text[self.sent:], len(self.text)
+            return out, False
+
+    def woken(reqs):  # the engine's thread, once per decode step: wake the handlers of the requests it touched
+        loop.call_soon_threadsafe(wake, reqs)
+
+    def wake(reqs):
+        for r in reqs:
+            event = getattr(r, "event", None)
+            if event is not None:
+                event.set()
+
+    async def replies(req, stop):
+        """Yields (text delta, None) as the request's tokens come, coalescing what came since the last wake-up into
+        one delta, then ("", (finish_reason, completion_tokens)); raises what the engine raised for it. Cancels the
+        request when left early (a client gone)."""
+        reply = Reply(stop)
+        try:
+            while True:
+                await req.event.wait()
+                req.event.clear()
+                tokens, done = req.drain()
+                delta, stopped = reply.add(tokens, final=done)
+                if stopped:
+                    req.cancel()
+                    if delta:
+                        yield delta, None
+                    yield "", ("stop", reply.count)
+                    return
+                if delta:
+                    yield delta, None
+                if done:
+                    yield "", (req.finish_reason or "stop", reply.count)
+                    return
+        finally:
+            req.cancel()
 
     score_lock = threading.Lock()
 
     def complete(ids, n, temperature, top_k, seed, echo, logprobs):
         """One completion choice: the new tokens (through the batch engine), and with echo or logprobs the
         log-probabilities of every token from one forward of prompt + completion."""
+        batch = least_loaded()
         gen = list(batch.submit(ids, n, temperature, top_k, seed)) if n > 0 else []
         full = ids + gen
         first = 0 if echo else len(ids)
@@ -223,7 +289,7 @@ def make_app(batch, tokenizer, model_id, key):
                                   "top_logprobs": top[first:], "text_offset": offsets}
         return choice
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(guard)])
     async def completions(request: Request):
         raw = await request.body()
         try:
@@ -271,7 +337,7 @@ def make_app(batch, tokenizer, model_id, key):
                 "model": model_id, "choices": [dict(c, index=i) for i, c in enumerate(choices)],
                 "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": used}}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
     async def chat(request: Request):
         raw = await request.body()
         if len(raw) > max_body_bytes:
@@ -281,25 +347,16 @@ def make_app(batch, tokenizer, model_id, key):
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(APIError(422, f"the body is not JSON: {e}"))
         try:
-            ids, n, temperature, top_k, seed, stop, stream = parse_request(body, context_len, tokenizer)
+            ids, n, temperature, top_k, seed, stop, stream, usage = parse_request(body, context_len, tokenizer)
         except APIError as e:
             return error(e)
         try:
-            req = batch.submit(ids, n, temperature, top_k, seed, tool=tool)
+            req = least_loaded().submit(ids, n, temperature, top_k, seed, tool=tool)
         except QueueFull:
             return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
                                   "rate_limit_error"))
+        req.event = asyncio.Event()  # before any await: the engine's wake-ups run on this loop, after it
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        loop = asyncio.get_running_loop()
-        queue = asyncio.Queue()
-
-        def work():
-            try:
-                result = run(req, stop, lambda d: loop.call_soon_threadsafe(queue.put_nowait, ("delta", d)))
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
-            except Exception as e:  # noqa: BLE001 - reaches the client as an error, the server goes on
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", str(e)))
-        loop.run_in_executor(None, work)
 
         def chunk(delta, finish=None):
             return "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -307,40 +364,30 @@ def make_app(batch, tokenizer, model_id, key):
                                                                           "finish_reason": finish}]}) + "\n\n"
         if stream:
             async def events():
+                yield chunk({"role": "assistant", "content": ""})
                 try:
-                    yield chunk({"role": "assistant", "content": ""})
-                    while True:
-                        kind, value = await queue.get()
-                        if kind == "delta":
-                            yield chunk({"content": value})
-                        elif kind == "done":
-                            yield chunk({}, value[0])
-                            break
-                        else:
-                            yield "data: " + json.dumps(APIError(500, value, None, "server_error").body()) + "\n\n"
-                            break
-                    yield "data: [DONE]\n\n"
-                finally:
-                    req.cancel()  # a client gone mid-stream: its row is free at the next decode step
+                    async for delta, end in replies(req, stop):
+                        if end is None:
+                            yield chunk({"content": delta})
+                    yield chunk({}, end[0])
+                    if usage:
+                        yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                                     "model": model_id, "choices": [],
+                                                     "usage": counts(len(ids), end[1])}) + "\n\n"
+                except Exception as e:  # noqa: BLE001 - reaches the client as an error event, the server goes on
+                    yield "data: " + json.dumps(APIError(500, str(e), None, "server_error").body()) + "\n\n"
+                yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         parts = []
         try:
-            while True:
-                kind, value = await queue.get()
-                if kind == "delta":
-                    parts.append(value)
-                elif kind == "error":
-                    return error(APIError(500, value, None, "server_error"))
-                else:
-                    break
-        finally:
-            req.cancel()
-        finish, completion_tokens = value
+            async for delta, end in replies(req, stop):
+                parts.append(delta)
+        except Exception as e:  # noqa: BLE001
+            return error(APIError(500, str(e), None, "server_error"))
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                             "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                          "total_tokens": len(ids) + completion_tokens}}
+                             "finish_reason": end[0]}],
+                "usage": counts(len(ids), end[1])}
 
     return app
 
@@ -348,18 +395,25 @@ def make_app(batch, tokenizer, model_id, key):
 def main():
     import uvicorn
     device = torch.device(device_type or autodetect_device_type())
+    if device.type == "cpu":  # decoding and the HTTP loop share the cores: torch's threads must not starve the loop
+        torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     stage = source
     if not stage:
         stage = next((s for s in ("rl", "sft", "mid") if find_run_dir(s, run_name) is not None), None)
         if stage is None:
             raise UserError("no rl, sft or mid checkpoint found; train a chat model first (python scripts/chat_sft.py),"
                             " or pass --source=base")
-    model, tokenizer, path, meta = load_model(stage, run_name, step, device)
+    if device.type == "cuda" and num_gpus > torch.cuda.device_count():
+        raise UserError(f"--num_gpus={num_gpus}: this machine has {torch.cuda.device_count()} GPUs")
+    devices = [torch.device("cuda", i) if device.type == "cuda" else device for i in range(num_gpus)]
+    model, tokenizer, path, meta = load_model(stage, run_name, step, devices[0])
+    models = [model] + [load_model(stage, run_name, meta["step"], d)[0] for d in devices[1:]]
     model_id = f"nanotrain-{stage}-{os.path.basename(os.path.dirname(os.path.dirname(path)))}-{meta['step']}"
     key = api_key or os.environ.get("NANOTRAIN_API_KEY", "")
     if context_len > model.rotary_len:
         raise UserError(f"--context_len={context_len}: at most {model.rotary_len} (10 x max_seq_len, the rotary table)")
-    app = make_app(BatchEngine(model, tokenizer, max_batch, max_queue, context_len or None), tokenizer, model_id, key)
+    engines = [BatchEngine(m, tokenizer, max_batch, max_queue, context_len or None) for m in models]
+    app = make_app(engines, tokenizer, model_id, key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
     async def serve():
@@ -368,7 +422,8 @@ def main():
             await asyncio.sleep(0.05)
         if server.started:
             bound = server.servers[0].sockets[0].getsockname()[1]
-            print(f"serving {model_id} ({path}) on http://{host}:{bound} (Ctrl-C stops)", flush=True)
+            print(f"serving {model_id} ({path}, {len(engines)} engine(s) on {', '.join(map(str, devices))}) on "
+                  f"http://{host}:{bound} (Ctrl-C stops)", flush=True)
         await task
     asyncio.run(serve())
 

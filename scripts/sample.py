@@ -15,6 +15,7 @@ import torch
 from nanotrain.checkpoint import load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
+from nanotrain.engine import TextStream
 
 stage = "base"  # which training stage's checkpoints: base | mid | sft
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -34,16 +35,12 @@ def main():
     ids = tokenizer.encode(prompt, prepend=tokenizer.get_bos_token_id())
     print(f"checkpoint: {path}", file=sys.stderr)
     print(prompt, end="", flush=True)
-    out, shown = [], ""
+    stream = TextStream(tokenizer)  # never half a character on the terminal
     for tok in model.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k or None, seed=seed):
         if tok == tokenizer.get_bos_token_id():
             break
-        out.append(tok)
-        text = tokenizer.decode(out)  # decode the whole completion: a token may end inside a UTF-8 character
-        if not text.endswith("\ufffd"):
-            print(text[len(shown):], end="", flush=True)
-            shown = text
-    print(tokenizer.decode(out)[len(shown):])
+        print(stream.add([tok]), end="", flush=True)
+    print(stream.add([], final=True))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,14 @@
 Inference benchmark of an OpenAI-compatible server (scripts/chat_serve.py or any other): N concurrent streaming clients
 (the `openai` SDK's AsyncOpenAI) send the same prompts with greedy decoding and a fixed max_tokens every round, at each
 N of --concurrency; reported per N: time to first token (ttft) p50 and p90 in seconds, per-stream decode tokens/s
-(streamed pieces after the first over the time after the first), aggregate tokens/s (every stream's pieces over the
-round's wall time); medians over --rounds. With --source set, the same prompts also go through nanotrain.engine.Engine
+(the completion's tokens after the first over the time after the first piece), aggregate tokens/s (every stream's
+completion tokens over the round's wall time); medians over --rounds. Tokens are the server's own count (the usage
+chunk of stream_options.include_usage): a server may send several tokens in one chunk. With --source set, the same prompts also go through nanotrain.engine.Engine
 directly as one static batch on that checkpoint (the ceiling the server's batching aims at). One JSON object on
 stdout.
 
     python scripts/chat_serve.py --source=rl --run_name=cpu &          # a server
     python scripts/serve_bench.py --url=http://127.0.0.1:8000/v1 --source=rl --run_name=cpu --rounds=5
-
-A streamed piece is one SSE chunk: one token, except where a character spans tokens (held back until complete).
 """
 
 import asyncio
@@ -40,18 +39,21 @@ PROMPTS = ["What is 17 + 25?", "Name a colour.", "Spell the word cat.", "Who are
 
 
 async def one_stream(client, prompt):
-    """(ttft seconds, pieces, decode seconds after the first piece) of one streaming request."""
+    """(ttft seconds, completion tokens, decode seconds after the first piece) of one streaming request."""
     t0 = time.perf_counter()
-    first, pieces = None, 0
+    first, tokens = None, None
     stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
-                                                  max_tokens=max_tokens, temperature=0, stream=True)
+                                                  max_tokens=max_tokens, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces += 1
-            if first is None:
-                first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
-    return (first or end) - t0, pieces, end - (first or end)
+    if tokens is None:
+        raise UserError(f"--url={url}: the stream sent no usage chunk (stream_options.include_usage)")
+    return (first or end) - t0, tokens, end - (first or end)
 
 
 async def one_round(n):

@@ -12,6 +12,7 @@ from helpers import tiny_model
 
 from nanotrain.batch_engine import BatchEngine, QueueFull
 from nanotrain.engine import Engine
+from nanotrain.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.unit
 
@@ -27,21 +28,33 @@ class Tok:
         return 63
 
 
-def model():
+def model(smear=False):
     torch.manual_seed(0)
     m = tiny_model()
+    if smear:  # the same weights plus smear's gate (its cache keeps the last fed token's embedding)
+        c = m.config
+        m2 = GPT(GPTConfig(**{**c.__dict__, "smear": True}))
+        m2.init_weights()
+        m2.load_state_dict(m.state_dict(), strict=False)
+        with torch.no_grad():
+            m2.smear_lambda.fill_(0.5)
+            m2.smear_gate.weight.normal_(0, 0.5)
+        m = m2
     m.eval()
     return m
 
 
-def test_staggered_requests_equal_their_solo_greedy_tokens():
+@pytest.mark.parametrize("spacing,smear", [(0.005, False), (0.0, False), (0.0, True)])
+def test_staggered_requests_equal_their_solo_greedy_tokens(spacing, smear):
     """
-    Nine prompts of lengths 3-11 submitted 5 ms apart into 3 rows with max_tokens 4-12: every request's tokens equal
-    Engine.generate of that prompt alone, and finish_reason is "length" exactly when it got max_tokens. Catches a
-    joining row prefilled at another row's position, a free row's stale keys attended to, and a token emitted twice
-    when a row joins.
+    Nine prompts of lengths 3-11 submitted `spacing` s apart into 3 rows with max_tokens 4-12: every request's tokens
+    equal Engine.generate of that prompt alone, and finish_reason is "length" exactly when it got max_tokens. At
+    spacing 0 several requests join in one step (one right-padded prefill); rows end
+    out of order, so busy rows move down into freed ones. Catches a joining row prefilled at another row's position,
+    a padded row's length or logits taken at the pad, a pad that is not the row's last token (smear keeps the last fed token's embedding), a moved row's keys or
+    length not moved with it, a free row's stale keys attended to, and a token emitted twice when a row joins.
     """
-    m, tok = model(), Tok()
+    m, tok = model(smear), Tok()
     vocab = m.config.vocab_size
     prompts = [[(7 * i + j) % 58 for j in range(3 + i)] for i in range(9)]
     want = [Engine(m, tok).generate([p], 4 + i)[0] for i, p in enumerate(prompts)]
@@ -49,7 +62,7 @@ def test_staggered_requests_equal_their_solo_greedy_tokens():
     reqs = []
     for i, p in enumerate(prompts):
         reqs.append(batch.submit(p, 4 + i))
-        time.sleep(0.005)
+        time.sleep(spacing)
     got = [list(r) for r in reqs]
     assert got == want and vocab == 64
     assert [r.finish_reason for r in reqs] == ["length" if len(w) == 4 + i else "stop" for i, w in enumerate(want)]

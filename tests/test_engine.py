@@ -396,3 +396,20 @@ def test_mixed_length_logits_equal_the_full_forward_of_each_row(tok):
             full = model(torch.tensor([seq]))[0, len(p) - 1:len(seq) - 1]  # (16, vocab_size)
             torch.testing.assert_close(torch.stack([x[r] for x in steps]), full, atol=1e-5, rtol=1.3e-6)
             assert seq[len(p):] == full.argmax(dim=-1).tolist()
+
+
+def test_text_stream_never_sends_half_a_character(tiny_tokenizer):
+    """
+    TextStream fed the real tokenizer's ids of a text with a 4-byte emoji and accented letters, one token at a time:
+    no piece contains U+FFFD, some token adds nothing (a character still open), and the pieces joined are the text.
+    Catches decoding each token alone (the emoji's bytes arrive as replacement characters) and dropping the bytes
+    held back (the joined text loses the emoji).
+    """
+    from nanotrain.engine import TextStream
+    text = "Hi \U0001F600 caf\u00e9 \u00fcber ok"
+    ids = tiny_tokenizer.encode(text)
+    assert sum("\ufffd" in tiny_tokenizer.decode([t]) for t in ids) >= 2  # the emoji is split across tokens
+    stream = TextStream(tiny_tokenizer)
+    pieces = [stream.add([t]) for t in ids] + [stream.add([], final=True)]
+    assert "" in pieces[:-1] and not any("\ufffd" in p for p in pieces)
+    assert "".join(pieces) == text

@@ -20,18 +20,12 @@ pytestmark = pytest.mark.smoke
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def server(shared_base_dir, tmp_path_factory):
-    """A 3-step base run and chat_serve.py serving it (api key "k"); yields (base_url, base dir); stops it after."""
-    base = tmp_path_factory.mktemp("serve")
-    os.symlink(shared_base_dir / "data", base / "data")
-    os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
-    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=3", "--run_name=tiny", base_dir=base)
-    assert r.returncode == 0, r.stderr[-3000:]
+def start_server(base, run_name, *args):
+    """chat_serve.py on `base`'s base run `run_name` (api key "k", an ephemeral port, the extra `args`): returns
+    (the process, its URL) once it prints its serving line."""
     env = dict(os.environ, NANOTRAIN_BASE_DIR=str(base), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "chat_serve.py"), "--source=base",
-                          "--run_name=tiny", "--port=0", "--api_key=k", "--max_batch=4", "--max_queue=12",
-                          "--max_body_bytes=20000", "--context_len=640"],
+                          f"--run_name={run_name}", "--port=0", "--api_key=k", *args],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     seen = []
     for line in p.stdout:  # the settings it overrides, then "serving ... on http://127.0.0.1:PORT"
@@ -43,8 +37,22 @@ def server(shared_base_dir, tmp_path_factory):
         pytest.fail(f"the server did not start: {''.join(seen)[-3000:]}")
     port = int(line.split("http://127.0.0.1:")[1].split()[0])
     threading.Thread(target=p.stdout.read, daemon=True).start()  # keep its pipe drained
+    return p, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(shared_base_dir, tmp_path_factory):
+    """A 3-step base run and chat_serve.py serving it with two engines (--num_gpus=2: on a CPU both share the
+    cores); yields (base_url, base dir); stops it after."""
+    base = tmp_path_factory.mktemp("serve")
+    os.symlink(shared_base_dir / "data", base / "data")
+    os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
+    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=3", "--run_name=tiny", base_dir=base)
+    assert r.returncode == 0, r.stderr[-3000:]
+    p, url = start_server(base, "tiny", "--max_batch=4", "--max_queue=12", "--max_body_bytes=20000",
+                          "--context_len=640", "--num_gpus=2")
     try:
-        yield f"http://127.0.0.1:{port}", base
+        yield url, base
     finally:
         p.terminate()
         p.wait(timeout=30)
@@ -185,6 +193,94 @@ def test_a_client_gone_mid_stream_frees_its_row(server):
         pytest.fail("the row of the closed stream is still decoding")
     status, obj = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert status == 200
+
+
+def test_requests_go_to_the_least_loaded_engine(server):
+    """
+    Two engines (--num_gpus=2 on a CPU): a long stream holds one engine; a second request started while it runs goes
+    to the other (/health: one decoding on each), and once both end nothing decodes anywhere. Catches every request
+    sent to the first engine (both on one, the other idle) and a load that forgets requests that left.
+    """
+    import time
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    streams = []
+    for _ in range(2):
+        s = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a story."}],
+                                           max_tokens=600, temperature=0, stream=True)
+        it = iter(s)
+        next(it), next(it)  # decoding now
+        streams.append(s)
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        engines = json.loads(r.read())["engines"]
+    for s in streams:
+        s.close()
+    assert [e["decoding"] for e in engines] == [1, 1], engines
+    deadline = time.time() + 2
+    while time.time() < deadline:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            if json.loads(r.read())["decoding"] == 0:
+                break
+        time.sleep(0.05)
+    else:
+        pytest.fail("a closed stream's row is still decoding")
+
+
+def emoji_checkpoint(base):
+    """
+    A base checkpoint "emoji" beside "tiny" whose greedy reply to any chat prompt is CHAIN_TEXT, built by hand from
+    the tiny one: every block's output projections zeroed (each block adds nothing), the chain's tokens embedded as
+    one-hot vectors and the head mapping each to the next (<|assistant_start|> -> the text's tokens ->
+    <|assistant_end|>). Returns the text's token ids (the emoji among them split over several tokens).
+    """
+    os.environ["NANOTRAIN_BASE_DIR"] = str(base)
+    from nanotrain.checkpoint import load_model, save_checkpoint
+    model, tok, path, meta = load_model("base", "tiny", -1, torch.device("cpu"))
+    ids = tok.encode(CHAIN_TEXT)
+    chain = [tok.encode_special("<|assistant_start|>")] + ids + [tok.encode_special("<|assistant_end|>")]
+    assert len(set(chain)) == len(chain) and len(chain) <= model.config.model_dim
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("c_proj.weight"):
+                p.zero_()
+        model.wte.weight.zero_()
+        model.lm_head.weight.zero_()
+        for i, (t, nxt) in enumerate(zip(chain, chain[1:])):
+            model.wte.weight[t, i] = 1.0
+            model.lm_head.weight[nxt, i] = 1.0
+    run_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(path))), "emoji")
+    meta = {k: v for k, v in meta.items() if k not in ("step", "version", "git_commit")}
+    save_checkpoint(run_dir, 1, model, [], meta, {})
+    return ids
+
+
+CHAIN_TEXT = "Hi \U0001F600 ok"  # an emoji is 4 UTF-8 bytes: a byte-level tokenizer this small splits it
+
+
+def test_an_emoji_split_across_tokens_arrives_whole(server):
+    """
+    A checkpoint whose greedy reply is "Hi <grinning face> ok", the emoji spread over several tokens (each of its
+    tokens alone decodes to U+FFFD): streamed, no chunk carries half a character (no U+FFFD anywhere) and the
+    chunks joined are the reply; not streamed, the same text. Catches a stream that decodes token by token (the
+    emoji arrives as replacement characters) and one that drops the held-back bytes.
+    """
+    _, base = server
+    ids = emoji_checkpoint(base)
+    from nanotrain.tokenizer import get_tokenizer
+    tok = get_tokenizer()
+    assert sum("\ufffd" in tok.decode([t]) for t in ids) >= 2  # the emoji really is split
+    p, url = start_server(base, "emoji")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        messages = [{"role": "user", "content": "Say hi."}]
+        chunks = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="m", messages=messages, max_tokens=32, temperature=0, stream=True)]
+        whole = client.chat.completions.create(model="m", messages=messages, max_tokens=32, temperature=0)
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    assert not any("\ufffd" in c for c in chunks) and "".join(chunks) == CHAIN_TEXT, chunks
+    assert whole.choices[0].message.content == CHAIN_TEXT and whole.choices[0].finish_reason == "stop"
 
 
 def test_completions_logprobs_are_the_models(server):
