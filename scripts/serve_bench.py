@@ -3,9 +3,10 @@ Inference benchmark of an OpenAI-compatible server (scripts/chat_serve.py or any
 (the `openai` SDK's AsyncOpenAI) send the same prompts with greedy decoding and a fixed max_tokens every round, at each
 N of --concurrency; reported per N: time to first token (ttft) p50 and p90 in seconds, per-stream decode tokens/s
 (the completion's tokens after the first over the time after the first piece), aggregate tokens/s (every stream's
-completion tokens over the round's wall time); medians over --rounds. Tokens are the server's own count (the usage
+completion tokens over the round's wall time); median, min and max over --rounds. Tokens are the server's own count (the usage
 chunk of stream_options.include_usage): a server may send several tokens in one chunk. With --source set, the same prompts also go through nanotrain.engine.Engine
-directly as one static batch on that checkpoint (the ceiling the server's batching aims at). One JSON object on
+directly as one static batch on that checkpoint (the ceiling the server's batching aims at), one Engine round after
+each server round (interleaved, so both see the same machine). One JSON object on
 stdout.
 
     python scripts/chat_serve.py --source=rl --run_name=cpu &          # a server
@@ -71,19 +72,26 @@ async def one_round(n):
 
 
 def engine_static(n):
-    """Tokens/s of Engine.generate on the same n prompts as one static batch (greedy, max_tokens), median of rounds."""
+    """A function timing Engine.generate on the same n prompts as one static batch (greedy, max_tokens, the tool on
+    as the server runs it): each call returns its tokens/s."""
     from nanotrain.checkpoint import load_model
     from nanotrain.engine import Engine
     model, tok, _, _ = load_model(source, run_name, -1, torch.device("cpu"))
     engine = Engine(model, tok)
     prompts = [tok.render_for_completion({"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]})
                for i in range(n)]
-    rates = []
-    for _ in range(rounds):
+
+    def once():
         t0 = time.perf_counter()
         out = engine.generate(prompts, max_tokens, temperature=0.0, tool=True)
-        rates.append(sum(map(len, out)) / (time.perf_counter() - t0))
-    return statistics.median(rates)
+        return sum(map(len, out)) / (time.perf_counter() - t0)
+    return once
+
+
+def summary(values):
+    """{"median", "min", "max"} of the non-None values, or None."""
+    values = sorted(v for v in values if v is not None)
+    return {"median": statistics.median(values), "min": values[0], "max": values[-1]} if values else None
 
 
 def main():
@@ -95,15 +103,19 @@ def main():
         raise UserError(f"--concurrency={concurrency}: expected integers >= 1")
     out = {"url": url, "max_tokens": max_tokens, "rounds": rounds, "by_concurrency": {}}
     for n in ns:
-        try:
-            rs = [asyncio.run(one_round(n)) for _ in range(rounds)]
-        except Exception as e:  # noqa: BLE001 - a server that cannot be reached is one line
-            raise UserError(f"--url={url}: {type(e).__name__}: {e}") from None
-        med = {k: statistics.median(r[k] for r in rs if r[k] is not None) if any(r[k] is not None for r in rs)
-               else None for k in rs[0]}
-        if source:
-            med["engine_static_tok_s"] = engine_static(n)
-        out["by_concurrency"][str(n)] = med
+        engine = engine_static(n) if source else None
+        rs, statics = [], []
+        for _ in range(rounds):  # interleaved: a server round, then (with --source) Engine's static batch
+            try:
+                rs.append(asyncio.run(one_round(n)))
+            except Exception as e:  # noqa: BLE001 - a server that cannot be reached is one line
+                raise UserError(f"--url={url}: {type(e).__name__}: {e}") from None
+            if engine is not None:
+                statics.append(engine())
+        row = {k: summary(r[k] for r in rs) for k in rs[0]}
+        if engine is not None:
+            row["engine_static_tok_s"] = summary(statics)
+        out["by_concurrency"][str(n)] = row
     print(json.dumps(out, indent=2))
 
 
