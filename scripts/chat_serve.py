@@ -20,10 +20,11 @@ Endpoints:
                              top_k, seed, echo, logprobs (the top n per token, at most 5): text completion with the
                              log-probability of every token, so lm-evaluation-harness's `local-completions` model
                              scores log-likelihood tasks on the native checkpoint (a text prompt starts with <|bos|>).
-  GET /v1/models, GET /health, GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
+  GET /v1/models, GET /health (503 once an engine's process has died), GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
 Requests are decoded together with continuous batching (nanotrain.batch_engine: a request joins the running batch at
-the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429); with --num_gpus=N one
-engine (a copy of the model) per GPU, each request going to the least loaded (decoding + waiting); a client that goes away
+the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429), in a process of its own
+(nanotrain.batch_engine.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
+one engine process per GPU, each request going to the least loaded (requests submitted and not finished); a client that goes away
 mid-stream frees its row within one decode step, and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
 "param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
 range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body over --max_body_bytes), 422 (JSON
@@ -32,21 +33,22 @@ that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --ho
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
-import threading
 import time
 import uuid
 
 import torch
 
 import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
-from nanotrain.batch_engine import BatchEngine, QueueFull
+from nanotrain.batch_engine import EngineProcess, QueueFull
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.engine import TextStream, readable
 from nanotrain.errors import UserError
+from nanotrain.tokenizer import get_tokenizer
 
 # ----------------------------------------------------------------------------- settings
 source = ""  # which stage's checkpoint: rl | sft | mid | base; "" is the latest stage that has one (rl, sft, mid)
@@ -153,8 +155,8 @@ def parse_sampling(body):
 
 
 def make_app(engines, tokenizer, model_id, key):
-    """The FastAPI app serving `engines` (nanotrain.batch_engine.BatchEngines of one checkpoint, one per device; each
-    request goes to the least loaded). key: the bearer token required, or ""."""
+    """The FastAPI app serving `engines` (nanotrain.batch_engine.EngineProcess or BatchEngine objects of one
+    checkpoint, one per device; each request goes to the least loaded). key: the bearer token required, or ""."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
@@ -194,7 +196,10 @@ def make_app(engines, tokenizer, model_id, key):
 
     @app.get("/health")
     async def health():
-        per = [{"decoding": e.active(), "waiting": e.waiting.qsize()} for e in engines]
+        dead = [getattr(e, "dead", None) for e in engines]
+        if any(dead):
+            return error(APIError(503, "; ".join(d for d in dead if d), None, "server_error"))
+        per = [{"decoding": e.active(), "waiting": e.queued()} for e in engines]
         return {"status": "ok", "model": model_id, "decoding": sum(p["decoding"] for p in per),
                 "waiting": sum(p["waiting"] for p in per), "engines": per}
 
@@ -263,8 +268,6 @@ def make_app(engines, tokenizer, model_id, key):
         finally:
             req.cancel()
 
-    score_lock = threading.Lock()
-
     def complete(ids, n, temperature, top_k, seed, echo, logprobs):
         """One completion choice: the new tokens (through the batch engine), and with echo or logprobs the
         log-probabilities of every token from one forward of prompt + completion."""
@@ -275,12 +278,10 @@ def make_app(engines, tokenizer, model_id, key):
         choice = {"text": tokenizer.decode(full[first:]), "finish_reason": "length" if len(gen) >= n else "stop",
                   "logprobs": None, "completion_tokens": len(gen)}
         if logprobs is not None:
-            with score_lock, torch.inference_mode():
-                lp = torch.log_softmax(batch.model(torch.tensor([full], device=batch.model.wte.weight.device))[0], -1)
+            scores, tops = batch.score(full, logprobs) if len(full) > 1 else ([], [])
             tokens = [tokenizer.decode([t]) for t in full]
-            token_lp = [None] + [float(lp[i - 1, full[i]]) for i in range(1, len(full))]
-            top = [None] + [{tokenizer.decode([int(j)]): float(v) for v, j in zip(*lp[i - 1].topk(max(1, logprobs)))}
-                            for i in range(1, len(full))]
+            token_lp = [None] + scores
+            top = [None] + [{tokenizer.decode([j]): v for j, v in pairs} for pairs in tops]
             offsets, pos = [], 0
             for t in tokens[first:]:
                 offsets.append(pos)
@@ -395,8 +396,6 @@ def make_app(engines, tokenizer, model_id, key):
 def main():
     import uvicorn
     device = torch.device(device_type or autodetect_device_type())
-    if device.type == "cpu":  # decoding and the HTTP loop share the cores: torch's threads must not starve the loop
-        torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 2) - 1))
     stage = source
     if not stage:
         stage = next((s for s in ("rl", "sft", "mid") if find_run_dir(s, run_name) is not None), None)
@@ -406,13 +405,17 @@ def main():
     if device.type == "cuda" and num_gpus > torch.cuda.device_count():
         raise UserError(f"--num_gpus={num_gpus}: this machine has {torch.cuda.device_count()} GPUs")
     devices = [torch.device("cuda", i) if device.type == "cuda" else device for i in range(num_gpus)]
-    model, tokenizer, path, meta = load_model(stage, run_name, step, devices[0])
-    models = [model] + [load_model(stage, run_name, meta["step"], d)[0] for d in devices[1:]]
+    # each engine in a process of its own (the model's forward never waits for this process's GIL); on a CPU the
+    # model gets every core but one, the HTTP loop the last
+    threads = (cpu_threads or max(1, (os.cpu_count() or 2) - 1)) if device.type == "cpu" else 0
+    first = EngineProcess(functools.partial(load_model, stage, run_name, step, devices[0]), max_batch, max_queue,
+                          context_len, threads)
+    path, meta = first.path, first.meta  # the others load the same checkpoint, even if a newer one appeared
+    engines = [first] + [EngineProcess(functools.partial(load_model, stage, run_name, meta["step"], d), max_batch,
+                                       max_queue, context_len, threads) for d in devices[1:]]
+    tokenizer = get_tokenizer()  # the engines checked that it is the checkpoint's
     model_id = f"nanotrain-{stage}-{os.path.basename(os.path.dirname(os.path.dirname(path)))}-{meta['step']}"
     key = api_key or os.environ.get("NANOTRAIN_API_KEY", "")
-    if context_len > model.rotary_len:
-        raise UserError(f"--context_len={context_len}: at most {model.rotary_len} (10 x max_seq_len, the rotary table)")
-    engines = [BatchEngine(m, tokenizer, max_batch, max_queue, context_len or None) for m in models]
     app = make_app(engines, tokenizer, model_id, key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 

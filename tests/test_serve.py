@@ -226,6 +226,34 @@ def test_requests_go_to_the_least_loaded_engine(server):
         pytest.fail("a closed stream's row is still decoding")
 
 
+def test_an_engine_process_that_cannot_load_or_dies_is_one_line(server, tmp_path, monkeypatch):
+    """
+    nanotrain.batch_engine.EngineProcess: a checkpoint that does not exist is the engine process's one line
+    (UserError), not a hang or a traceback; an engine process killed mid-request fails that request with a
+    RuntimeError naming the exit and refuses later submits (UserError). Catches a server that waits forever on an
+    engine that never became ready, and requests left waiting on a dead engine.
+    """
+    import functools
+
+    from nanotrain.batch_engine import EngineProcess
+    from nanotrain.checkpoint import load_model
+    from nanotrain.errors import UserError
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
+    with pytest.raises(UserError, match="no base checkpoint found"):
+        EngineProcess(functools.partial(load_model, "base", "", -1, "cpu"))
+    _, base = server
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(base))
+    engine = EngineProcess(functools.partial(load_model, "base", "tiny", -1, "cpu"), context_len=640)
+    req = engine.submit([1, 2, 3], 600)
+    it = iter(req)
+    next(it)
+    engine.process.kill()
+    with pytest.raises(RuntimeError, match="engine process exited"):
+        list(it)
+    with pytest.raises(UserError, match="engine process exited"):
+        engine.submit([1, 2, 3], 4)
+
+
 def emoji_checkpoint(base):
     """
     A base checkpoint "emoji" beside "tiny" whose greedy reply to any chat prompt is CHAIN_TEXT, built by hand from
