@@ -311,6 +311,49 @@ def test_an_emoji_split_across_tokens_arrives_whole(server):
     assert whole.choices[0].message.content == CHAIN_TEXT and whole.choices[0].finish_reason == "stop"
 
 
+def test_a_reader_that_reads_nothing_stalls_no_one(server):
+    """
+    A client that sends a 600-token streaming request and then reads nothing (a 1 KB receive buffer: its ~100 KB of
+    events wait on the server's side): another client's request is answered meanwhile, the unread request's row
+    still decodes to its end (/health: nothing decoding), and when the client finally reads, every event is there
+    up to finish_reason "length" and [DONE]. Catches a decode step that waits for a reader to take its chunk, and
+    tokens dropped for a reader that fell behind.
+    """
+    import socket
+    import time
+    url, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 600,
+                       "temperature": 0, "stream": True}).encode()
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    slow.connect(("127.0.0.1", port))
+    slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        def decoding():
+            with urllib.request.urlopen(url + "/health", timeout=10) as r:
+                return json.loads(r.read())["decoding"]
+        deadline = time.time() + 20
+        while decoding() == 0 and time.time() < deadline:  # the unread request has its row
+            time.sleep(0.02)
+        t0 = time.time()
+        status, obj = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+        assert status == 200 and time.time() - t0 < 10
+        while decoding() > 0 and time.time() < deadline:  # and decodes to its end, read or not
+            time.sleep(0.05)
+        assert decoding() == 0, "the unread stream's row never finished decoding"
+        slow.settimeout(10)
+        received = b""
+        while b"data: [DONE]" not in received:  # every event is still delivered, to the end
+            part = slow.recv(1 << 16)
+            assert part, received[-500:]
+            received += part
+        assert b'"finish_reason": "length"' in received
+    finally:
+        slow.close()
+
+
 def test_completions_logprobs_are_the_models(server):
     """
     POST /v1/completions with token ids, echo, logprobs 1 and max_tokens 1, as lm-evaluation-harness's
