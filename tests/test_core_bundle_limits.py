@@ -235,3 +235,134 @@ def test_a_bundle_that_changes_after_its_check_is_refused(base, tmp_path, monkey
         core_bundle.ensure_bundle(str(copy))
     with pytest.raises(UserError, match=f"--eval_bundle={tmp_path}/none: not a directory"):
         core_bundle.ensure_bundle(str(tmp_path / "none"))
+
+
+MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
+CHOICES_MSG, OPTIONS_MSG = "choices must be a list of 2 or more strings", "context_options must be a list of 2 or more strings"
+
+
+@pytest.mark.parametrize("row, task_type, problem", [
+    ({"query": "q", "choices": ["a", "b"]}, MC, None),  # gold defaults to 0
+    ({"query": "q", "choices": ["a", "b"], "gold": 1}, MC, None),
+    ({"context_options": ["a", "b"], "continuation": "c", "gold": 1}, SCHEMA, None),
+    ({"context": "a", "continuation": "b"}, LM, None),
+    (["q", ["a", "b"]], MC, "expected a JSON object"),
+    ({"query": "q"}, MC, "a multiple_choice row needs query, choices (no choices)"),
+    ({"choices": ["a", "b"]}, MC, "a multiple_choice row needs query, choices (no query)"),
+    ({"context_options": ["a", "b"]}, SCHEMA, "a schema row needs context_options, continuation (no continuation)"),
+    ({"continuation": "b"}, LM, "a language_modeling row needs context, continuation (no context)"),
+    ({"context": 1, "continuation": "b"}, LM, "context and continuation must be strings"),
+    ({"context": "a", "continuation": ["b"]}, LM, "context and continuation must be strings"),
+    ({"query": "q", "choices": ["a"]}, MC, CHOICES_MSG),
+    ({"query": "q", "choices": "ab"}, MC, CHOICES_MSG),
+    ({"query": "q", "choices": ["a", 2]}, MC, CHOICES_MSG),
+    ({"context_options": ["a"], "continuation": "c"}, SCHEMA, OPTIONS_MSG),
+    ({"query": "q", "choices": ["a", "b"], "gold": 2}, MC, "gold 2 is not the index of one of its 2 options"),
+    ({"query": "q", "choices": ["a", "b"], "gold": -1}, MC, "gold -1 is not the index of one of its 2 options"),
+    ({"query": "q", "choices": ["a", "b"], "gold": True}, MC, "gold True is not the index of one of its 2 options"),
+    ({"query": "q", "choices": ["a", "b"], "gold": "0"}, MC, "gold '0' is not the index of one of its 2 options"),
+    ({"context_options": ["a", "b", "c"], "continuation": "d", "gold": 3}, SCHEMA,
+     "gold 3 is not the index of one of its 3 options")])
+def test_check_row_says_what_is_wrong(row, task_type, problem):
+    """Rows of each task type, well formed (None) or not (the phrase a bad-row line carries). Catches a field looked
+    up in the wrong row type (choices for schema), one condition of a check alone (`and` for `or`), a gold of 1 or
+    len(options) accepted or of 0 refused, a bool taken for an index, and a phrase naming the wrong field."""
+    assert core_bundle.check_row(row, task_type) == problem
+
+
+TASK = "{label: %s, dataset_uri: x.jsonl, num_fewshot: %s, icl_task_type: %s}"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("icl_tasks: [", "W: not valid YAML (while parsing a flow node)"),
+    ("- 1\n- 2\n", "W: expected a non-empty 'icl_tasks' list"),
+    ("icl_tasks: []", "W: expected a non-empty 'icl_tasks' list"),
+    ("icl_tasks: [5]", "W: task 5: needs label, dataset_uri, num_fewshot and icl_task_type"),
+    ("icl_tasks: [{label: a, dataset_uri: x.jsonl, num_fewshot: [0]}]", "W: task {'label': 'a', 'dataset_uri': "
+     "'x.jsonl', 'num_fewshot': [0]}: needs label, dataset_uri, num_fewshot and icl_task_type"),
+    ("icl_tasks: [" + TASK % ("a", "[0]", "generation") + "]",
+     "W: task a: icl_task_type 'generation', expected one of multiple_choice, schema, language_modeling")])
+def test_a_task_list_that_is_not_one_is_one_line(text, problem):
+    """core.yaml texts that are not task lists: one line naming the file (`where`) and the task. Catches a check on
+    one condition alone, a message that drops the YAML error's first line or the unknown type."""
+    with pytest.raises(UserError) as e:
+        core_bundle.parse_task_list(text, "W")
+    assert str(e.value) == problem
+
+
+def test_a_task_list_is_read_as_written():
+    """num_fewshot a list (its first item), a bare count, or 0; the label a number; the delimiter given (kept, a
+    newline too) or absent (" "). Catches the second item of the list taken, a bare count indexed, 0 shots refused,
+    and another default delimiter."""
+    text = ("icl_tasks:\n- " + TASK % (7, "[5, 10]", "schema") + "\n- " + TASK % ("b", 3, "multiple_choice")
+            + "\n- {label: c, dataset_uri: y.jsonl, num_fewshot: 0, icl_task_type: language_modeling, "
+              "continuation_delimiter: \"\\n\"}\n")
+    assert core_bundle.parse_task_list(text, "W") == [
+        {"label": "7", "dataset_uri": "x.jsonl", "num_fewshot": 5, "task_type": "schema", "delimiter": " "},
+        {"label": "b", "dataset_uri": "x.jsonl", "num_fewshot": 3, "task_type": "multiple_choice", "delimiter": " "},
+        {"label": "c", "dataset_uri": "y.jsonl", "num_fewshot": 0, "task_type": "language_modeling",
+         "delimiter": "\n"}]
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("no core.yaml", "{d} is not a CORE eval bundle: core.yaml is missing (expected core.yaml, eval_meta_data.csv "
+                     "and eval_data/)"),
+    ("no eval_meta_data.csv", "{d} is not a CORE eval bundle: eval_meta_data.csv is missing"),
+    ("no data file", "{d}: task lm_test: eval_data/invented/lm_test.jsonl is missing"),
+    ("no baseline", "{d}/eval_meta_data.csv: no random baseline for task lm_test"),
+    ("baseline 'x'", "{d}/eval_meta_data.csv:3: expected the columns 'Eval Task' and 'Random baseline' with a number, "
+                     "got {{'Eval Task': 'schema_test'"),
+    ("baseline 100", "{d}/eval_meta_data.csv:3: task schema_test: random baseline '100', expected a number in "
+                     "[0, 100) (percent)"),
+    ("baseline 150", "{d}/eval_meta_data.csv:3: task schema_test: random baseline '150'"),
+    ("baseline -1", "{d}/eval_meta_data.csv:3: task schema_test: random baseline '-1'"),
+    ("core.yaml not UTF-8", "{d}/core.yaml:3: not UTF-8 (byte "),
+])
+def test_a_damaged_bundle_is_one_line_naming_the_file(tmp_path, damage, problem):
+    """The fixture bundle with one thing wrong: read_bundle's one line names the file, the line where there is one,
+    the task and the value. Catches a file looked for under another name, a baseline of 100 (or above) accepted, a
+    bound check on one condition alone, a line number off by one and a task without a baseline accepted."""
+    d = tmp_path / "bundle"
+    shutil.copytree(BUNDLE, d)
+    csv_path, yaml_path = d / "eval_meta_data.csv", d / "core.yaml"
+    lines = csv_path.read_text().splitlines(keepends=True)
+    if damage.startswith("no "):
+        name = {"no core.yaml": "core.yaml", "no eval_meta_data.csv": "eval_meta_data.csv",
+                "no data file": "eval_data/invented/lm_test.jsonl"}.get(damage)
+        if name:
+            os.remove(d / name)
+        else:
+            csv_path.write_text("".join(lines[:3]))
+    elif damage.startswith("baseline"):
+        lines[2] = lines[2].replace(",50,", f",{damage.split(' ', 1)[1].strip(chr(39))},")
+        csv_path.write_text("".join(lines))
+    else:
+        yaml_path.write_bytes(b"# ok\n#\n# \xff\n" + yaml_path.read_bytes())
+    with pytest.raises(UserError) as e:
+        core_bundle.read_bundle(str(d))
+    assert str(e.value).startswith(problem.format(d=d)), str(e.value)
+
+
+def test_rows_are_read_in_order_with_their_line_numbers(tmp_path):
+    """load_rows on a task file with blank lines: the rows in file order, blank lines skipped but counted in the
+    file:line of a line that is not JSON, not UTF-8 (with its byte offset) or not a well-formed row; a file with no
+    row is one line naming the task. Catches stopping at the first blank line, line numbers off by one (or counting
+    from the wrong end), and a row checked against another task type."""
+    path = tmp_path / "eval_data" / "t.jsonl"
+    path.parent.mkdir()
+    task = {"label": "t", "dataset_uri": "t.jsonl", "task_type": LM}
+    a, b = {"context": "a", "continuation": "b"}, {"context": "c", "continuation": "d"}
+    path.write_text(f"{json.dumps(a)}\n\n   \n{json.dumps(b)}\n")
+    assert core_bundle.load_rows(str(tmp_path), task) == [a, b]
+    for data, problem in ((f"\n{json.dumps(a)}\n{{oops\n", ":3: not valid JSON ("),
+                          (f"{json.dumps(a)}\n\n{json.dumps({'context': 'c'})}\n",
+                           ":3: a language_modeling row needs context, continuation (no continuation)"),
+                          ("\n\n  \n", ": no rows (an empty file); task t cannot be scored")):
+        path.write_text(data)
+        with pytest.raises(UserError) as e:
+            core_bundle.load_rows(str(tmp_path), task)
+        assert str(e.value).startswith(f"{path}{problem}"), str(e.value)
+    path.write_bytes(b"\n" + json.dumps(a).encode() + b"\n\xff\n\n")
+    with pytest.raises(UserError) as e:
+        core_bundle.load_rows(str(tmp_path), task)
+    assert str(e.value) == f"{path}:3: not UTF-8 (byte {2 + len(json.dumps(a))}: invalid start byte)"
