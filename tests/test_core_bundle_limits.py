@@ -366,3 +366,28 @@ def test_rows_are_read_in_order_with_their_line_numbers(tmp_path):
     with pytest.raises(UserError) as e:
         core_bundle.load_rows(str(tmp_path), task)
     assert str(e.value) == f"{path}:3: not UTF-8 (byte {2 + len(json.dumps(a))}: invalid start byte)"
+
+
+def test_a_hand_copy_needs_the_pinned_record_and_verify_reads_the_marker(base, tmp_path, monkeypatch):
+    """
+    Before this machine has downloaded the bundle, a hand copy (not --own_eval_bundle) is refused in one line saying
+    there is no record to compare it with and what to do. In a process that has not accepted it (the record of
+    accepted bundles empty), verify_bundle checks a downloaded bundle against its own marker: it passes, then fails
+    once a task file changes. Catches a hand copy accepted unchecked when no record exists, and verify_bundle
+    checking nothing for a bundle this process did not accept.
+    """
+    copy = tmp_path / "copy"
+    shutil.copytree(BUNDLE, copy)
+    with pytest.raises(UserError) as e:
+        core_bundle.ensure_bundle(str(copy))
+    msg = str(e.value)
+    assert msg.startswith(f"--eval_bundle={copy}: cannot check it against the pinned CORE bundle")
+    assert f"({base}/eval_bundle/bundle.json: none)" in msg and "--own_eval_bundle=True" in msg and "\n" not in msg
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    path = core_bundle.ensure_bundle()
+    monkeypatch.setattr(core_bundle, "_ACCEPTED", {})
+    core_bundle.verify_bundle(path)
+    with open(os.path.join(path, "eval_data", "invented", "mc_test.jsonl"), "a") as f:
+        f.write('{"query": "q", "choices": ["a", "b"]}\n')
+    with pytest.raises(UserError, match="mc_test.jsonl.*the CORE eval bundle changed after it was checked"):
+        core_bundle.verify_bundle(path)
