@@ -391,3 +391,24 @@ def test_a_hand_copy_needs_the_pinned_record_and_verify_reads_the_marker(base, t
         f.write('{"query": "q", "choices": ["a", "b"]}\n')
     with pytest.raises(UserError, match="mc_test.jsonl.*the CORE eval bundle changed after it was checked"):
         core_bundle.verify_bundle(path)
+
+
+def test_a_damaged_bundle_is_fetched_again_over_a_killed_refetchs_leftovers(base, tmp_path, monkeypatch, capsys):
+    """
+    A downloaded bundle whose task file changed, beside the eval_bundle.tmp and eval_bundle.unzip a re-fetch killed
+    midway left (the path where no recovery runs first: the bundle itself is complete): the next load fetches it
+    again, the file is whole again and both leftovers are gone. Catches the leftovers cleared under other names than
+    the ones written (a stale .tmp kept forever beside the bundle).
+    """
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    path = core_bundle.ensure_bundle()
+    task_file = os.path.join(path, "eval_data", "invented", "lm_test.jsonl")
+    good = open(task_file).read()
+    with open(task_file, "a") as f:
+        f.write('{"context": "x", "continuation": "y"}\n')
+    for name in ("eval_bundle.tmp", "eval_bundle.unzip"):
+        os.makedirs(base / name / "eval_data")
+        (base / name / "eval_data" / "stale.jsonl").write_text("{}\n")
+    assert core_bundle.ensure_bundle() == path
+    assert "fetching eval_bundle again" in capsys.readouterr().out
+    assert open(task_file).read() == good and _left(base) == ["eval_bundle"]
