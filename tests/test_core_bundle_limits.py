@@ -412,3 +412,15 @@ def test_a_damaged_bundle_is_fetched_again_over_a_killed_refetchs_leftovers(base
     assert core_bundle.ensure_bundle() == path
     assert "fetching eval_bundle again" in capsys.readouterr().out
     assert open(task_file).read() == good and _left(base) == ["eval_bundle"]
+
+
+def test_a_core_yaml_at_the_cap_is_read(base, tmp_path, monkeypatch):
+    """With the index cap set to core.yaml's own size the bundle is accepted, one byte under it refused. Catches an
+    off-by-one cap (>= for >) that refuses an index of exactly the allowed size."""
+    size = os.path.getsize(os.path.join(BUNDLE, "core.yaml"))
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    monkeypatch.setattr(core_bundle, "MAX_INDEX_BYTES", size - 1)
+    with pytest.raises(UserError, match=f"core.yaml declares {size} bytes, more than the {size - 1}"):
+        core_bundle.ensure_bundle()
+    monkeypatch.setattr(core_bundle, "MAX_INDEX_BYTES", size)
+    assert os.path.isfile(os.path.join(core_bundle.ensure_bundle(), "core.yaml"))
