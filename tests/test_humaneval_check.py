@@ -108,15 +108,18 @@ def test_the_test_field_runs_sandboxed_not_with_the_graders_rights(tmp_path):
     assert not marker.exists()
 
 
-def test_limits_and_trust_reach_the_checker(tmp_path):
+def test_limits_and_trust_reach_the_checker(tmp_path, monkeypatch):
     """
     What a caller gives arrives where it acts. check_humaneval: an honest reply whose test uses a prompt helper passes
     (the prompt, test and entry point reach the checker); with trusted_test=True a test that writes a file in a
-    root-only folder does write it (the pinned set's plain checker, the grader's rights). check_all with 96 MiB (not
-    the 256 MiB default): a program or a test that takes 128 MiB fails, an honest one still passes, and a job that
-    does not say trusted_test is sandboxed (the file not written). Catches an argument dropped or replaced by its
-    default on the way (the prompt, the test, the trust flag, the memory limit of either process) and a
-    check_humaneval_detail whose trust defaults to True.
+    root-only folder does write it (the pinned set's plain checker, the grader's rights), and finds itself without
+    the grader's environment (a variable set in it is absent), in a session of its own and without `site` (no .pth
+    hook of site-packages ran). check_all with 96 MiB (not the 256 MiB default): a program or a test that takes
+    128 MiB fails, an honest one still passes, and a job that does not say trusted_test is sandboxed (the file not
+    written). Catches an argument dropped or replaced by its
+    default on the way (the prompt, the test, the trust flag, the memory limit of either process), a
+    check_humaneval_detail whose trust defaults to True, and a plain checker that inherits the grader's environment or
+    session or runs site (env=None, no start_new_session, -s for -S).
     """
     folder = tmp_path / "root_only"
     folder.mkdir(mode=0o755)
@@ -125,7 +128,10 @@ def test_limits_and_trust_reach_the_checker(tmp_path):
     test = "def check(candidate):\n    assert helper(candidate(1)) == 4\n"
     writing = f"open({str(marker)!r}, 'w').write('x')\n{test}"
     assert check_humaneval(program, PROMPT, test, "f") is True
-    assert check_humaneval(program, PROMPT, writing, "f", trusted_test=True) is True and marker.exists()
+    monkeypatch.setenv("NANOTRAIN_GRADER_SECRET", "x")
+    isolated = (f"import os, sys\nassert 'NANOTRAIN_GRADER_SECRET' not in os.environ and 'site' not in sys.modules\n"
+                f"assert os.getsid(0) != {os.getsid(0)}\n{writing}")
+    assert check_humaneval(program, PROMPT, isolated, "f", trusted_test=True) is True and marker.exists()
     marker.unlink()
     big = "x = bytearray(128 * 2**20)\n"
     jobs = [dict(program=program, prompt=PROMPT, test=writing, entry_point="f"),
