@@ -116,16 +116,18 @@ def test_limits_and_trust_reach_the_checker(tmp_path, monkeypatch):
     the grader's environment (a variable set in it is absent), in a session of its own and without `site` (no .pth
     hook of site-packages ran). check_all with 96 MiB (not the 256 MiB default): a program or a test that takes
     128 MiB fails, an honest one still passes, and a job that does not say trusted_test is sandboxed (the file not
-    written). Catches an argument dropped or replaced by its
+    written). A test that prints before check() still passes (the verdict is the last line), and an error line whose
+    kept stderr tail starts inside a multi-byte character still comes back. Catches an argument dropped or replaced by its
     default on the way (the prompt, the test, the trust flag, the memory limit of either process), a
     check_humaneval_detail whose trust defaults to True, and a plain checker that inherits the grader's environment or
-    session or runs site (env=None, no start_new_session, -s for -S).
+    session or runs site (env=None, no start_new_session, -s for -S), a verdict that needs PASSED to be the only
+    output, and a strict decode of the checker's stderr tail.
     """
     folder = tmp_path / "root_only"
     folder.mkdir(mode=0o755)
     marker = folder / "written"
     program = "import math\n\n\ndef f(*args):\n    return args[0] + 1\n"
-    test = "def check(candidate):\n    assert helper(candidate(1)) == 4\n"
+    test = "print('checking')\n\n\ndef check(candidate):\n    assert helper(candidate(1)) == 4\n"
     writing = f"open({str(marker)!r}, 'w').write('x')\n{test}"
     assert check_humaneval(program, PROMPT, test, "f") is True
     monkeypatch.setenv("NANOTRAIN_GRADER_SECRET", "x")
@@ -137,10 +139,14 @@ def test_limits_and_trust_reach_the_checker(tmp_path, monkeypatch):
     jobs = [dict(program=program, prompt=PROMPT, test=writing, entry_point="f"),
             dict(program=big + program, prompt=PROMPT, test=test, entry_point="f", trusted_test=True),
             dict(program=program, prompt=PROMPT, test=big + test, entry_point="f", trusted_test=False),
-            dict(program=program, prompt=PROMPT, test=test, entry_point="f", trusted_test=False)]
+            dict(program=program, prompt=PROMPT, test=test, entry_point="f", trusted_test=False),
+            dict(program=program, prompt=PROMPT, test=test, entry_point="f", trusted_test=True),
+            dict(program=program, prompt=PROMPT, test=f"raise AssertionError({'é' * 3000!r})\n{test}", entry_point="f",
+                 trusted_test=True)]
     got = check_all(jobs, timeout_s=5.0, memory_bytes=96 * 2**20)
-    assert [g["passed"] for g in got] == [False, False, False, True] and not marker.exists()
+    assert [g["passed"] for g in got] == [False, False, False, True, True, False] and not marker.exists()
     assert got[1]["outcome"] == "killed for memory" and "MemoryError" in got[2]["error"]
+    assert got[5]["error"].lstrip("\ufffd").startswith("ééé")  # the kept 4 KB tail starts inside an "é"
 
 
 @pytest.mark.parametrize("mode, parent_mode, hidden", [(0o755, None, True), (0o750, None, False),
