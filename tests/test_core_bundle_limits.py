@@ -424,3 +424,35 @@ def test_a_core_yaml_at_the_cap_is_read(base, tmp_path, monkeypatch):
         core_bundle.ensure_bundle()
     monkeypatch.setattr(core_bundle, "MAX_INDEX_BYTES", size)
     assert os.path.isfile(os.path.join(core_bundle.ensure_bundle(), "core.yaml"))
+
+
+@pytest.mark.parametrize("case", ["no core.yaml", "bad task type"])
+def test_a_zip_whose_index_is_wrong_is_one_line_naming_the_url(base, tmp_path, monkeypatch, case):
+    """A zip without eval_bundle/core.yaml, or whose core.yaml has an unknown task type: one line naming the URL (and
+    the member), nothing left. Catches a message that loses what is wrong or where it came from."""
+    if case == "no core.yaml":
+        z, want = _zip_bundle(tmp_path / "z.zip", drop=("core.yaml",)), "has no eval_bundle/core.yaml: not a CORE eval bundle"
+    else:
+        text = open(os.path.join(BUNDLE, "core.yaml")).read().replace("icl_task_type: schema", "icl_task_type: other")
+        z = _zip_bundle(tmp_path / "z.zip", drop=("core.yaml",), extra={"eval_bundle/core.yaml": text})
+        want = ": eval_bundle/core.yaml: task schema_test: icl_task_type 'other', expected one of"
+    monkeypatch.setenv(core_bundle.URL_ENV, z.as_uri())
+    with pytest.raises(UserError) as e:
+        core_bundle.ensure_bundle()
+    assert z.as_uri() in str(e.value) and want in str(e.value) and _left(base) == []
+
+
+def test_a_hand_copy_without_its_marker_is_verified_against_the_pinned_record(base, tmp_path, monkeypatch):
+    """A hand copy of the downloaded bundle without its bundle.json is accepted as the pinned one (its files match
+    the record), and verify_bundle still finds a later change, against the record it was accepted with. Catches
+    verify_bundle falling back to the copy's own (absent) marker and checking nothing."""
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    copy = tmp_path / "copy"
+    shutil.copytree(core_bundle.ensure_bundle(), copy)
+    os.remove(copy / "bundle.json")
+    assert core_bundle.ensure_bundle(str(copy)) == str(copy)
+    core_bundle.verify_bundle(str(copy))
+    with open(copy / "eval_data" / "invented" / "schema_test.jsonl", "a") as f:
+        f.write('{"context_options": ["a", "b"], "continuation": "c", "gold": 0}\n')
+    with pytest.raises(UserError, match="schema_test.jsonl.*changed after it was checked"):
+        core_bundle.verify_bundle(str(copy))
