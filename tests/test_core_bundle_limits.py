@@ -235,3 +235,224 @@ def test_a_bundle_that_changes_after_its_check_is_refused(base, tmp_path, monkey
         core_bundle.ensure_bundle(str(copy))
     with pytest.raises(UserError, match=f"--eval_bundle={tmp_path}/none: not a directory"):
         core_bundle.ensure_bundle(str(tmp_path / "none"))
+
+
+MC, SCHEMA, LM = "multiple_choice", "schema", "language_modeling"
+CHOICES_MSG, OPTIONS_MSG = "choices must be a list of 2 or more strings", "context_options must be a list of 2 or more strings"
+
+
+@pytest.mark.parametrize("row, task_type, problem", [
+    ({"query": "q", "choices": ["a", "b"]}, MC, None),  # gold defaults to 0
+    ({"query": "q", "choices": ["a", "b"], "gold": 1}, MC, None),
+    ({"context_options": ["a", "b"], "continuation": "c", "gold": 1}, SCHEMA, None),
+    ({"context": "a", "continuation": "b"}, LM, None),
+    (["q", ["a", "b"]], MC, "expected a JSON object"),
+    ({"query": "q"}, MC, "a multiple_choice row needs query, choices (no choices)"),
+    ({"choices": ["a", "b"]}, MC, "a multiple_choice row needs query, choices (no query)"),
+    ({"context_options": ["a", "b"]}, SCHEMA, "a schema row needs context_options, continuation (no continuation)"),
+    ({"continuation": "b"}, LM, "a language_modeling row needs context, continuation (no context)"),
+    ({"context": 1, "continuation": "b"}, LM, "context and continuation must be strings"),
+    ({"context": "a", "continuation": ["b"]}, LM, "context and continuation must be strings"),
+    ({"query": "q", "choices": ["a"]}, MC, CHOICES_MSG),
+    ({"query": "q", "choices": "ab"}, MC, CHOICES_MSG),
+    ({"query": "q", "choices": ["a", 2]}, MC, CHOICES_MSG),
+    ({"context_options": ["a"], "continuation": "c"}, SCHEMA, OPTIONS_MSG),
+    ({"query": "q", "choices": ["a", "b"], "gold": 2}, MC, "gold 2 is not the index of one of its 2 options"),
+    ({"query": "q", "choices": ["a", "b"], "gold": -1}, MC, "gold -1 is not the index of one of its 2 options"),
+    ({"query": "q", "choices": ["a", "b"], "gold": True}, MC, "gold True is not the index of one of its 2 options"),
+    ({"query": "q", "choices": ["a", "b"], "gold": "0"}, MC, "gold '0' is not the index of one of its 2 options"),
+    ({"context_options": ["a", "b", "c"], "continuation": "d", "gold": 3}, SCHEMA,
+     "gold 3 is not the index of one of its 3 options")])
+def test_check_row_says_what_is_wrong(row, task_type, problem):
+    """Rows of each task type, well formed (None) or not (the phrase a bad-row line carries). Catches a field looked
+    up in the wrong row type (choices for schema), one condition of a check alone (`and` for `or`), a gold of 1 or
+    len(options) accepted or of 0 refused, a bool taken for an index, and a phrase naming the wrong field."""
+    assert core_bundle.check_row(row, task_type) == problem
+
+
+TASK = "{label: %s, dataset_uri: x.jsonl, num_fewshot: %s, icl_task_type: %s}"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("icl_tasks: [", "W: not valid YAML (while parsing a flow node)"),
+    ("- 1\n- 2\n", "W: expected a non-empty 'icl_tasks' list"),
+    ("icl_tasks: []", "W: expected a non-empty 'icl_tasks' list"),
+    ("icl_tasks: [5]", "W: task 5: needs label, dataset_uri, num_fewshot and icl_task_type"),
+    ("icl_tasks: [{label: a, dataset_uri: x.jsonl, num_fewshot: [0]}]", "W: task {'label': 'a', 'dataset_uri': "
+     "'x.jsonl', 'num_fewshot': [0]}: needs label, dataset_uri, num_fewshot and icl_task_type"),
+    ("icl_tasks: [" + TASK % ("a", "[0]", "generation") + "]",
+     "W: task a: icl_task_type 'generation', expected one of multiple_choice, schema, language_modeling")])
+def test_a_task_list_that_is_not_one_is_one_line(text, problem):
+    """core.yaml texts that are not task lists: one line naming the file (`where`) and the task. Catches a check on
+    one condition alone, a message that drops the YAML error's first line or the unknown type."""
+    with pytest.raises(UserError) as e:
+        core_bundle.parse_task_list(text, "W")
+    assert str(e.value) == problem
+
+
+def test_a_task_list_is_read_as_written():
+    """num_fewshot a list (its first item), a bare count, or 0; the label a number; the delimiter given (kept, a
+    newline too) or absent (" "). Catches the second item of the list taken, a bare count indexed, 0 shots refused,
+    and another default delimiter."""
+    text = ("icl_tasks:\n- " + TASK % (7, "[5, 10]", "schema") + "\n- " + TASK % ("b", 3, "multiple_choice")
+            + "\n- {label: c, dataset_uri: y.jsonl, num_fewshot: 0, icl_task_type: language_modeling, "
+              "continuation_delimiter: \"\\n\"}\n")
+    assert core_bundle.parse_task_list(text, "W") == [
+        {"label": "7", "dataset_uri": "x.jsonl", "num_fewshot": 5, "task_type": "schema", "delimiter": " "},
+        {"label": "b", "dataset_uri": "x.jsonl", "num_fewshot": 3, "task_type": "multiple_choice", "delimiter": " "},
+        {"label": "c", "dataset_uri": "y.jsonl", "num_fewshot": 0, "task_type": "language_modeling",
+         "delimiter": "\n"}]
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("no core.yaml", "{d} is not a CORE eval bundle: core.yaml is missing (expected core.yaml, eval_meta_data.csv "
+                     "and eval_data/)"),
+    ("no eval_meta_data.csv", "{d} is not a CORE eval bundle: eval_meta_data.csv is missing"),
+    ("no data file", "{d}: task lm_test: eval_data/invented/lm_test.jsonl is missing"),
+    ("no baseline", "{d}/eval_meta_data.csv: no random baseline for task lm_test"),
+    ("baseline 'x'", "{d}/eval_meta_data.csv:3: expected the columns 'Eval Task' and 'Random baseline' with a number, "
+                     "got {{'Eval Task': 'schema_test'"),
+    ("baseline 100", "{d}/eval_meta_data.csv:3: task schema_test: random baseline '100', expected a number in "
+                     "[0, 100) (percent)"),
+    ("baseline 150", "{d}/eval_meta_data.csv:3: task schema_test: random baseline '150'"),
+    ("baseline -1", "{d}/eval_meta_data.csv:3: task schema_test: random baseline '-1'"),
+    ("core.yaml not UTF-8", "{d}/core.yaml:3: not UTF-8 (byte "),
+])
+def test_a_damaged_bundle_is_one_line_naming_the_file(tmp_path, damage, problem):
+    """The fixture bundle with one thing wrong: read_bundle's one line names the file, the line where there is one,
+    the task and the value. Catches a file looked for under another name, a baseline of 100 (or above) accepted, a
+    bound check on one condition alone, a line number off by one and a task without a baseline accepted."""
+    d = tmp_path / "bundle"
+    shutil.copytree(BUNDLE, d)
+    csv_path, yaml_path = d / "eval_meta_data.csv", d / "core.yaml"
+    lines = csv_path.read_text().splitlines(keepends=True)
+    if damage.startswith("no "):
+        name = {"no core.yaml": "core.yaml", "no eval_meta_data.csv": "eval_meta_data.csv",
+                "no data file": "eval_data/invented/lm_test.jsonl"}.get(damage)
+        if name:
+            os.remove(d / name)
+        else:
+            csv_path.write_text("".join(lines[:3]))
+    elif damage.startswith("baseline"):
+        lines[2] = lines[2].replace(",50,", f",{damage.split(' ', 1)[1].strip(chr(39))},")
+        csv_path.write_text("".join(lines))
+    else:
+        yaml_path.write_bytes(b"# ok\n#\n# \xff\n" + yaml_path.read_bytes())
+    with pytest.raises(UserError) as e:
+        core_bundle.read_bundle(str(d))
+    assert str(e.value).startswith(problem.format(d=d)), str(e.value)
+
+
+def test_rows_are_read_in_order_with_their_line_numbers(tmp_path):
+    """load_rows on a task file with blank lines: the rows in file order, blank lines skipped but counted in the
+    file:line of a line that is not JSON, not UTF-8 (with its byte offset) or not a well-formed row; a file with no
+    row is one line naming the task. Catches stopping at the first blank line, line numbers off by one (or counting
+    from the wrong end), and a row checked against another task type."""
+    path = tmp_path / "eval_data" / "t.jsonl"
+    path.parent.mkdir()
+    task = {"label": "t", "dataset_uri": "t.jsonl", "task_type": LM}
+    a, b = {"context": "a", "continuation": "b"}, {"context": "c", "continuation": "d"}
+    path.write_text(f"{json.dumps(a)}\n\n   \n{json.dumps(b)}\n")
+    assert core_bundle.load_rows(str(tmp_path), task) == [a, b]
+    for data, problem in ((f"\n{json.dumps(a)}\n{{oops\n", ":3: not valid JSON ("),
+                          (f"{json.dumps(a)}\n\n{json.dumps({'context': 'c'})}\n",
+                           ":3: a language_modeling row needs context, continuation (no continuation)"),
+                          ("\n\n  \n", ": no rows (an empty file); task t cannot be scored")):
+        path.write_text(data)
+        with pytest.raises(UserError) as e:
+            core_bundle.load_rows(str(tmp_path), task)
+        assert str(e.value).startswith(f"{path}{problem}"), str(e.value)
+    path.write_bytes(b"\n" + json.dumps(a).encode() + b"\n\xff\n\n")
+    with pytest.raises(UserError) as e:
+        core_bundle.load_rows(str(tmp_path), task)
+    assert str(e.value) == f"{path}:3: not UTF-8 (byte {2 + len(json.dumps(a))}: invalid start byte)"
+
+
+def test_a_hand_copy_needs_the_pinned_record_and_verify_reads_the_marker(base, tmp_path, monkeypatch):
+    """
+    Before this machine has downloaded the bundle, a hand copy (not --own_eval_bundle) is refused in one line saying
+    there is no record to compare it with and what to do. In a process that has not accepted it (the record of
+    accepted bundles empty), verify_bundle checks a downloaded bundle against its own marker: it passes, then fails
+    once a task file changes. Catches a hand copy accepted unchecked when no record exists, and verify_bundle
+    checking nothing for a bundle this process did not accept.
+    """
+    copy = tmp_path / "copy"
+    shutil.copytree(BUNDLE, copy)
+    with pytest.raises(UserError) as e:
+        core_bundle.ensure_bundle(str(copy))
+    msg = str(e.value)
+    assert msg.startswith(f"--eval_bundle={copy}: cannot check it against the pinned CORE bundle")
+    assert f"({base}/eval_bundle/bundle.json: none)" in msg and "--own_eval_bundle=True" in msg and "\n" not in msg
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    path = core_bundle.ensure_bundle()
+    monkeypatch.setattr(core_bundle, "_ACCEPTED", {})
+    core_bundle.verify_bundle(path)
+    with open(os.path.join(path, "eval_data", "invented", "mc_test.jsonl"), "a") as f:
+        f.write('{"query": "q", "choices": ["a", "b"]}\n')
+    with pytest.raises(UserError, match="mc_test.jsonl.*the CORE eval bundle changed after it was checked"):
+        core_bundle.verify_bundle(path)
+
+
+def test_a_damaged_bundle_is_fetched_again_over_a_killed_refetchs_leftovers(base, tmp_path, monkeypatch, capsys):
+    """
+    A downloaded bundle whose task file changed, beside the eval_bundle.tmp and eval_bundle.unzip a re-fetch killed
+    midway left (the path where no recovery runs first: the bundle itself is complete): the next load fetches it
+    again, the file is whole again and both leftovers are gone. Catches the leftovers cleared under other names than
+    the ones written (a stale .tmp kept forever beside the bundle).
+    """
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    path = core_bundle.ensure_bundle()
+    task_file = os.path.join(path, "eval_data", "invented", "lm_test.jsonl")
+    good = open(task_file).read()
+    with open(task_file, "a") as f:
+        f.write('{"context": "x", "continuation": "y"}\n')
+    for name in ("eval_bundle.tmp", "eval_bundle.unzip"):
+        os.makedirs(base / name / "eval_data")
+        (base / name / "eval_data" / "stale.jsonl").write_text("{}\n")
+    assert core_bundle.ensure_bundle() == path
+    assert "fetching eval_bundle again" in capsys.readouterr().out
+    assert open(task_file).read() == good and _left(base) == ["eval_bundle"]
+
+
+def test_a_core_yaml_at_the_cap_is_read(base, tmp_path, monkeypatch):
+    """With the index cap set to core.yaml's own size the bundle is accepted, one byte under it refused. Catches an
+    off-by-one cap (>= for >) that refuses an index of exactly the allowed size."""
+    size = os.path.getsize(os.path.join(BUNDLE, "core.yaml"))
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    monkeypatch.setattr(core_bundle, "MAX_INDEX_BYTES", size - 1)
+    with pytest.raises(UserError, match=f"core.yaml declares {size} bytes, more than the {size - 1}"):
+        core_bundle.ensure_bundle()
+    monkeypatch.setattr(core_bundle, "MAX_INDEX_BYTES", size)
+    assert os.path.isfile(os.path.join(core_bundle.ensure_bundle(), "core.yaml"))
+
+
+@pytest.mark.parametrize("case", ["no core.yaml", "bad task type"])
+def test_a_zip_whose_index_is_wrong_is_one_line_naming_the_url(base, tmp_path, monkeypatch, case):
+    """A zip without eval_bundle/core.yaml, or whose core.yaml has an unknown task type: one line naming the URL (and
+    the member), nothing left. Catches a message that loses what is wrong or where it came from."""
+    if case == "no core.yaml":
+        z, want = _zip_bundle(tmp_path / "z.zip", drop=("core.yaml",)), "has no eval_bundle/core.yaml: not a CORE eval bundle"
+    else:
+        text = open(os.path.join(BUNDLE, "core.yaml")).read().replace("icl_task_type: schema", "icl_task_type: other")
+        z = _zip_bundle(tmp_path / "z.zip", drop=("core.yaml",), extra={"eval_bundle/core.yaml": text})
+        want = ": eval_bundle/core.yaml: task schema_test: icl_task_type 'other', expected one of"
+    monkeypatch.setenv(core_bundle.URL_ENV, z.as_uri())
+    with pytest.raises(UserError) as e:
+        core_bundle.ensure_bundle()
+    assert z.as_uri() in str(e.value) and want in str(e.value) and _left(base) == []
+
+
+def test_a_hand_copy_without_its_marker_is_verified_against_the_pinned_record(base, tmp_path, monkeypatch):
+    """A hand copy of the downloaded bundle without its bundle.json is accepted as the pinned one (its files match
+    the record), and verify_bundle still finds a later change, against the record it was accepted with. Catches
+    verify_bundle falling back to the copy's own (absent) marker and checking nothing."""
+    monkeypatch.setenv(core_bundle.URL_ENV, _zip_bundle(tmp_path / "good.zip").as_uri())
+    copy = tmp_path / "copy"
+    shutil.copytree(core_bundle.ensure_bundle(), copy)
+    os.remove(copy / "bundle.json")
+    assert core_bundle.ensure_bundle(str(copy)) == str(copy)
+    core_bundle.verify_bundle(str(copy))
+    with open(copy / "eval_data" / "invented" / "schema_test.jsonl", "a") as f:
+        f.write('{"context_options": ["a", "b"], "continuation": "c", "gold": 0}\n')
+    with pytest.raises(UserError, match="schema_test.jsonl.*changed after it was checked"):
+        core_bundle.verify_bundle(str(copy))

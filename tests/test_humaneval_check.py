@@ -5,13 +5,18 @@ inf, exceptions, exits, prompt helpers and tests that name the entry point; a pr
 stalled candidate or a reply too long fails within the time limit. Inline problems: no download.
 """
 
+import os
 import secrets
+import shutil
+import stat
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from nanotrain.sandbox.execution import isolation, run_program
+from nanotrain.sandbox.humaneval_check import check_all, check_humaneval, hide_answer_key
 from nanotrain.tasks.humaneval import grade_humaneval, grade_humaneval_detail, humaneval_program
 
 pytestmark = pytest.mark.unit
@@ -101,3 +106,68 @@ def test_the_test_field_runs_sandboxed_not_with_the_graders_rights(tmp_path):
     convs = [dict(conversation("pass"), test=hostile), dict(conversation("pass"), test=honest)]
     assert grade_humaneval([(c, reply) for c in convs]) == [False, True]
     assert not marker.exists()
+
+
+def test_limits_and_trust_reach_the_checker(tmp_path, monkeypatch):
+    """
+    What a caller gives arrives where it acts. check_humaneval: an honest reply whose test uses a prompt helper passes
+    (the prompt, test and entry point reach the checker); with trusted_test=True a test that writes a file in a
+    root-only folder does write it (the pinned set's plain checker, the grader's rights), and finds itself without
+    the grader's environment (a variable set in it is absent), in a session of its own and without `site` (no .pth
+    hook of site-packages ran). check_all with 96 MiB (not the 256 MiB default): a program or a test that takes
+    128 MiB fails, an honest one still passes, and a job that does not say trusted_test is sandboxed (the file not
+    written). A test that prints before check() still passes (the verdict is the last line), and an error line whose
+    kept stderr tail starts inside a multi-byte character still comes back. Catches an argument dropped or replaced by its
+    default on the way (the prompt, the test, the trust flag, the memory limit of either process), a
+    check_humaneval_detail whose trust defaults to True, and a plain checker that inherits the grader's environment or
+    session or runs site (env=None, no start_new_session, -s for -S), a verdict that needs PASSED to be the only
+    output, and a strict decode of the checker's stderr tail.
+    """
+    folder = tmp_path / "root_only"
+    folder.mkdir(mode=0o755)
+    marker = folder / "written"
+    program = "import math\n\n\ndef f(*args):\n    return args[0] + 1\n"
+    test = "print('checking')\n\n\ndef check(candidate):\n    assert helper(candidate(1)) == 4\n"
+    writing = f"open({str(marker)!r}, 'w').write('x')\n{test}"
+    assert check_humaneval(program, PROMPT, test, "f") is True
+    monkeypatch.setenv("NANOTRAIN_GRADER_SECRET", "x")
+    isolated = (f"import os, sys\nassert 'NANOTRAIN_GRADER_SECRET' not in os.environ and 'site' not in sys.modules\n"
+                f"assert os.getsid(0) != {os.getsid(0)}\n{writing}")
+    assert check_humaneval(program, PROMPT, isolated, "f", trusted_test=True) is True and marker.exists()
+    marker.unlink()
+    big = "x = bytearray(128 * 2**20)\n"
+    jobs = [dict(program=program, prompt=PROMPT, test=writing, entry_point="f"),
+            dict(program=big + program, prompt=PROMPT, test=test, entry_point="f", trusted_test=True),
+            dict(program=program, prompt=PROMPT, test=big + test, entry_point="f", trusted_test=False),
+            dict(program=program, prompt=PROMPT, test=test, entry_point="f", trusted_test=False),
+            dict(program=program, prompt=PROMPT, test=test, entry_point="f", trusted_test=True),
+            dict(program=program, prompt=PROMPT, test=f"raise AssertionError({'é' * 3000!r})\n{test}", entry_point="f",
+                 trusted_test=True)]
+    got = check_all(jobs, timeout_s=5.0, memory_bytes=96 * 2**20)
+    assert [g["passed"] for g in got] == [False, False, False, True, True, False] and not marker.exists()
+    assert got[1]["outcome"] == "killed for memory" and "MemoryError" in got[2]["error"]
+    assert got[5]["error"].lstrip("\ufffd").startswith("ééé")  # the kept 4 KB tail starts inside an "é"
+
+
+@pytest.mark.parametrize("mode, parent_mode, hidden", [(0o755, None, True), (0o750, None, False),
+                                                        (0o755, 0o700, False)],
+                         ids=["enterable", "no-o+x", "under-a-0700-parent"])
+def test_answer_key_hidden_only_where_others_could_enter(monkeypatch, capsys, mode, parent_mode, hidden):
+    """hide_answer_key (as root, uid isolation): a base directory others can enter (o+x, every parent searchable) is
+    made 0700, in one line naming it; one others cannot enter (no o+x, or under a 0700 parent) is left as it is,
+    silently. Catches chmod-ing on either condition alone and a mode test that is always true."""
+    if isolation() != "uid":
+        pytest.skip("hide_answer_key acts only under uid isolation (root)")
+    parent = tempfile.mkdtemp(prefix="nanotrain-answer-key-", dir="/tmp")  # pytest's tmp_path is under a 0700 dir
+    try:
+        base = os.path.join(parent, "base")
+        os.mkdir(base)
+        os.chmod(parent, parent_mode or 0o755)
+        os.chmod(base, mode)
+        monkeypatch.setenv("NANOTRAIN_BASE_DIR", base)
+        hide_answer_key()
+        assert stat.S_IMODE(os.stat(base).st_mode) == (0o700 if hidden else mode)
+    finally:
+        shutil.rmtree(parent)
+    out = capsys.readouterr().out
+    assert (f"made the base directory {base} 0700" in out) if hidden else out == ""
