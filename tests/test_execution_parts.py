@@ -42,6 +42,20 @@ def test_long_output_keeps_its_ends_and_says_what_was_cut():
     assert int(count) + len(head) + len(tail) == total
 
 
+@pytest.mark.skipif(not (LINUX and ROOT), reason="needs Linux and root (the program runs under a uid of its own)")
+def test_program_runs_under_a_fresh_uid_with_no_groups():
+    """As root, each program runs under a uid of its own from 2**30 up, with that gid and no supplementary groups.
+    Catches the uid switch lost (the program would run as root: every limit but the rlimits gone, and a kill(-1)
+    kills the machine), root's gid or groups kept (it could write where group root may), or one uid reused."""
+    code = "import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getegid(), os.getgroups())"
+    first, second = (run_program(code) for _ in range(2))
+    assert first.passed and second.passed, first.stderr + second.stderr
+    ids = [eval(r.stdout.replace(" ", ",", 4)) for r in (first, second)]
+    for uid, euid, gid, egid, groups in ids:
+        assert uid >= 2**30 and uid == euid == gid == egid and groups == []
+    assert ids[0][0] != ids[1][0]
+
+
 @pytest.fixture
 def no_isolation(monkeypatch):
     """This process as one with neither root nor a working bubblewrap, UNSAFE_CODE restored afterwards."""
