@@ -8,9 +8,11 @@ the checks of who may run the interpreter, the limits' error messages and the pi
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -35,6 +37,11 @@ def test_long_output_keeps_its_ends_and_says_what_was_cut():
     r = run_program(code)
     assert r.passed, r.stderr[-300:]
     assert r.stdout == "a" * OUTPUT_CHARS
+    bad = run_program("import sys\nsys.stdout.buffer.write(b'\\xff' * 10)\n"
+                      "sys.stderr.buffer.write(b'\\xff' + b'.' * 3 * OUTPUT_CHARS + b'\\xff')".replace(
+                          "OUTPUT_CHARS", str(OUTPUT_CHARS)))
+    assert bad.passed and bad.stdout == "\ufffd" * 10  # bytes that are not UTF-8 do not break the verdict
+    assert bad.stderr.startswith("\ufffd.") and bad.stderr.endswith(".\ufffd")
     total = 2 * half + 17 + 5000
     head, rest = r.stderr.split("\n... [", 1)
     count, tail = rest.split(" bytes cut] ...\n", 1)
@@ -47,12 +54,16 @@ def test_program_runs_under_a_fresh_uid_with_no_groups():
     """As root, each program runs under a uid of its own from 2**30 up, with that gid and no supplementary groups.
     Catches the uid switch lost (the program would run as root: every limit but the rlimits gone, and a kill(-1)
     kills the machine), root's gid or groups kept (it could write where group root may), or one uid reused."""
-    code = "import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getegid(), os.getgroups())"
+    code = ("import os\nassert os.environ['HOME'] == os.getcwd()\n"
+            "print(os.getuid(), os.geteuid(), os.getgid(), os.getegid(), os.getgroups())")
     first, second = (run_program(code) for _ in range(2))
     assert first.passed and second.passed, first.stderr + second.stderr
     ids = [eval(r.stdout.replace(" ", ",", 4)) for r in (first, second)]
     for uid, euid, gid, egid, groups in ids:
         assert uid >= 2**30 and uid == euid == gid == egid and groups == []
+        left = [os.path.join(root, d) for root in ("/sys/fs/cgroup", "/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids")
+                if os.path.isdir(root) for d in os.listdir(root) if d == f"nanotrain-exec-{uid}"]
+        assert left == []  # its cgroup, where it had one, is gone
     assert ids[0][0] != ids[1][0]
 
 
@@ -126,6 +137,20 @@ seen = {
     "repo": os.path.exists(REPO),
     "usr": os.path.isdir("/usr/lib"),
 }
+seen["capeff"] = [line.split()[1] for line in open("/proc/self/status") if line.startswith("CapEff")][0]
+seen["sid"] = os.getsid(0)
+seen["devnull"] = os.path.exists("/dev/null")
+written = 0
+try:
+    with open("/tmp/fill", "wb") as f:
+        for _ in range(24):
+            f.write(b"x" * 2**22)
+            f.flush()
+            written += 2**22
+except OSError:
+    pass
+os.remove("/tmp/fill")
+seen["tmp_mb"] = written // 2**20
 for path in ("/tmp/x", "/usr/x"):
     try:
         open(path, "w").close()
@@ -141,13 +166,17 @@ def test_bwrap_mode_runs_the_program_in_its_own_namespaces(monkeypatch):
     """The bubblewrap argv put to work in this process (bwrap mode forced; run here as root, so that the program's
     view is what is looked at, not the rights of a user): the program sees only its own processes, an empty private
     /tmp it may write to, /usr read-only, not this repository, and runs in its working directory, which it may write
-    to. Catches an argv that shares the pid namespace, the host's /tmp or the whole file system, leaves /usr writable,
-    or does not bind the working directory (the program could not start or write)."""
+    to; it has no capabilities, a session of its own, a /dev, and a /tmp that holds at most memory_bytes (where bwrap
+    takes --size). Catches an argv that shares the pid namespace, the host's /tmp or the whole file system, leaves
+    /usr writable, does not bind the working directory (the program could not start or write), keeps root's
+    capabilities, shares the caller's session (a terminal to inject into) or leaves /tmp unbounded (RAM)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.setattr(execution, "isolation", lambda: "bwrap")
-    r = run_program(BWRAP_VIEW.replace("REPO", repr(repo)))
+    r = run_program(BWRAP_VIEW.replace("REPO", repr(repo)), memory_bytes=64 * 2**20)
     assert r.passed, r.stderr[-500:]
     seen = eval(r.stdout)
+    assert int(seen["capeff"], 16) == 0 and seen["sid"] != 0 and seen["devnull"]
+    assert seen["tmp_mb"] <= 64 if execution._bwrap_has_size() else seen["tmp_mb"] == 96
     assert len(seen["pids"]) <= 3 and seen["cwd"] and seen["tmp"] == [] and not seen["repo"] and seen["usr"]
     assert seen["/tmp/x"] == "written" and seen["/usr/x"] in ("OSError", "PermissionError")
 
@@ -187,6 +216,18 @@ def test_limit_errors_name_the_limit():
         with pytest.raises(ValueError, match=name):
             run_program("pass", **{name: value})
     assert run_program("pass", cpu_s=None).passed  # cpu_s may be left to its default
+
+
+def test_cpu_limit_and_a_short_timeout_are_kept():
+    """A busy loop with cpu_s=1 and a 5 s wall-clock limit is ended by the CPU limit (SIGXCPU, or SIGKILL at the hard limit) within a few seconds,
+    not by the wall clock; an infinite loop with timeout_s=0.2 is over in well under a second. Catches a cpu_s that
+    is ignored (or replaced by the default from timeout_s), and a wait that never ends before a second has passed."""
+    start = time.monotonic()
+    r = run_program("while True:\n    pass", timeout_s=5, cpu_s=1)
+    assert not r.timed_out and r.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and time.monotonic() - start < 4, r
+    start = time.monotonic()
+    r = run_program("while True:\n    pass", timeout_s=0.2)
+    assert r.timed_out and time.monotonic() - start < 1.0
 
 
 def test_passed_pipe_reaches_the_program_and_is_closed_here():
