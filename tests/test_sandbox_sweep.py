@@ -104,9 +104,9 @@ def sysv_keys(kind):
 def test_remove_leftovers_takes_the_uids_files_and_ipc_only():
     """Files of the uid two world-writable directories below /tmp (like /tmp/.X11-unix/sub/) are removed; a file of
     another uid beside them, a file of the uid in a directory only root may write to, and root's SysV shared memory
-    segment, semaphore set and message queue are kept. Catches a clean-up that looks at the top directory only (the
-    program hides its files one level down), or one that tests the owner the wrong way round (it would delete other
-    users' files and IPC objects)."""
+    segment, semaphore set and message queue are kept; a link of the uid to another user's file is removed, the file kept. Catches a clean-up that looks at
+    the top directory only (the program hides its files one level down), one that tests the owner the wrong way round
+    (it would delete other users' files and IPC objects), or one that follows links (the uid's link would stay)."""
     uid, other = unused_uid(), unused_uid()
     top = f"/tmp/nanotrain-sweep-test-{secrets.token_hex(4)}"
     shared, private = os.path.join(top, "shared"), os.path.join(top, "private")
@@ -125,8 +125,11 @@ def test_remove_leftovers_takes_the_uids_files_and_ipc_only():
             with open(files[name], "w") as f:
                 f.write(name)
             os.chown(files[name], owner, owner)
+        link = os.path.join(shared, "link")  # the uid's link to a file of another user
+        os.symlink(files["theirs"], link)
+        os.lchown(link, uid, uid)
         remove_leftovers(uid)
-        assert not os.path.exists(files["mine"])
+        assert not os.path.exists(files["mine"]) and not os.path.lexists(link)
         assert os.path.exists(files["theirs"]) and os.path.exists(files["guarded"])
         assert all(key in sysv_keys(kind) for kind in ("shm", "sem", "msg"))
     finally:
@@ -161,3 +164,36 @@ def test_cgroup_limits_kill_and_removal():
         sleeper.wait()
         cgroup.remove()
     assert not any(os.path.exists(d) for d in cgroup.dirs)
+
+
+UNIFIED = "/sys/fs/cgroup/unified"  # cgroup v2 beside v1 (hybrid): no controllers, but cgroup.kill
+
+
+def test_cgroup_kill_through_cgroup_kill_on_v2():
+    """On cgroup v2 a program's cgroup is killed through its cgroup.kill file, which reaches every process below it,
+    in child cgroups too (and is atomic against fork); here a v2 cgroup made in the v2 hierarchy where the machine has
+    one (hybrid or pure v2), with a process in a child cgroup of it. Catches a kill that misses the cgroup.kill file
+    (or writes it wrongly) and falls back to the pids in cgroup.procs, which lists the cgroup's own processes only."""
+    root = UNIFIED if os.path.exists(os.path.join(UNIFIED, "cgroup.procs")) else "/sys/fs/cgroup"
+    if not os.path.exists(os.path.join(root, "cgroup.controllers")):
+        pytest.skip("no cgroup v2 hierarchy here")
+    d = os.path.join(root, f"nanotrain-test-{secrets.token_hex(4)}")
+    try:
+        os.mkdir(d)
+    except OSError as e:
+        pytest.skip(f"cannot make a v2 cgroup here: {e}")
+    cgroup = Cgroup([d])
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        if not os.path.exists(os.path.join(d, "cgroup.kill")):
+            pytest.skip("this kernel has no cgroup.kill (Linux < 5.14)")
+        os.mkdir(os.path.join(d, "sub"))
+        Cgroup([os.path.join(d, "sub")]).add(sleeper.pid)
+        cgroup.kill()
+        assert sleeper.wait(timeout=2) == -signal.SIGKILL
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        Cgroup([os.path.join(d, "sub")]).remove()
+        cgroup.remove()
+    assert not os.path.exists(d)
