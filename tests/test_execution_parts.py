@@ -50,10 +50,12 @@ def test_long_output_keeps_its_ends_and_says_what_was_cut():
 
 
 @pytest.mark.skipif(not (LINUX and ROOT), reason="needs Linux and root (the program runs under a uid of its own)")
-def test_program_runs_under_a_fresh_uid_with_no_groups():
-    """As root, each program runs under a uid of its own from 2**30 up, with that gid and no supplementary groups.
-    Catches the uid switch lost (the program would run as root: every limit but the rlimits gone, and a kill(-1)
-    kills the machine), root's gid or groups kept (it could write where group root may), or one uid reused."""
+def test_program_runs_under_a_fresh_uid_with_no_groups(capfd):
+    """As root, each program runs under a uid of its own from 2**30 up, with that gid and no supplementary groups,
+    and its cgroup is removed afterwards; a clean sweep prints nothing. Catches the uid switch lost (the program would
+    run as root: every limit but the rlimits gone, and a kill(-1) kills the machine), root's gid or groups kept (it
+    could write where group root may), one uid reused, cgroups left over, or the sweep's warning printed when it
+    succeeded."""
     code = ("import os\nassert os.environ['HOME'] == os.getcwd()\n"
             "print(os.getuid(), os.geteuid(), os.getgid(), os.getegid(), os.getgroups())")
     first, second = (run_program(code) for _ in range(2))
@@ -65,6 +67,7 @@ def test_program_runs_under_a_fresh_uid_with_no_groups():
                 if os.path.isdir(root) for d in os.listdir(root) if d == f"nanotrain-exec-{uid}"]
         assert left == []  # its cgroup, where it had one, is gone
     assert ids[0][0] != ids[1][0]
+    assert capfd.readouterr().err == ""
 
 
 @pytest.fixture
