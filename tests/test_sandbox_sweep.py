@@ -149,12 +149,36 @@ def test_remove_leftovers_takes_the_uids_files_and_ipc_only():
         libc.msgctl(ids["msg"], 0, None)
 
 
+def v1_cgroups_can_be_made():
+    """Whether this process can make (and remove) a memory and a pids cgroup v1 with limits, judged without Cgroup."""
+    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
+        return False
+    name, made = f"nanotrain-probe-{secrets.token_hex(4)}", []
+    try:
+        for ctl, limit in (("memory", "memory.limit_in_bytes"), ("pids", "pids.max")):
+            made.append(os.path.join("/sys/fs/cgroup", ctl, name))
+            os.mkdir(made[-1])
+            with open(os.path.join(made[-1], limit), "w") as f:
+                f.write(str(64 * 2**20 if ctl == "memory" else 5))
+        return True
+    except OSError:
+        return False
+    finally:
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
 def test_cgroup_limits_kill_and_removal():
     """A cgroup made for a program holds its memory and process limits, kill() ends a process put in it, and
     remove() leaves no directory behind. Catches limits written to the wrong file or not at all (the program's
-    processes together would not be bounded), a kill that misses a process of the cgroup, and cgroups left over."""
+    processes together would not be bounded), a kill that misses a process of the cgroup, and cgroups left over;
+    and, where this test can make memory and pids cgroups itself (cgroup v1 here), a Cgroup.make that gives None."""
     cgroup = Cgroup.make(f"nanotrain-test-{secrets.token_hex(4)}", 64 * 2**20, 5)
     if cgroup is None:
+        assert not v1_cgroups_can_be_made(), "cgroup v1 memory and pids cgroups can be made here, Cgroup.make gave None"
         pytest.skip("no cgroup can be made here")
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
