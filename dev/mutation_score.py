@@ -15,6 +15,11 @@ Needs mutmut==3.8.1 (requirements.txt) and Python >= 3.11 (tomllib); runs from a
 time unless --max-children says otherwise: on 2 shared cores sft_data and dataloader take ~10 minutes each,
 auto_batch_size hours (discover_device_batch_size alone has ~500 mutants, each running the discovery tests).
 Exit status 1 if a module scores below --min or has mutants left unchecked.
+As root (Linux), mutmut runs in PID, IPC and mount namespaces of its own (contained()): a mutant of the sandbox that
+runs its hostile test programs as root kills this run, not the machine. One that SIGKILLs mutmut itself (the sweep's
+kill(-1) helper run as root) ends the run with "returned non-zero exit status 247": go on with --again --skip GLOB
+(its name: the first mutant left "not checked" in mutmut's order). To stop a run, SIGKILL its `unshare` (which
+blocks SIGTERM while it waits): the namespace and everything in it go with it.
 """
 
 import argparse
@@ -31,6 +36,36 @@ import tomllib
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILLED = {"killed", "timeout", "caught by type check"}
 MUTMUT = shutil.which("mutmut") or os.path.join(os.path.dirname(sys.executable), "mutmut")
+# pid 1 of the namespaces that contained() runs mutmut in: private tmpfs on /tmp, /var/tmp and /dev/shm and its own
+# /dev/mqueue, a pids cgroup of at most 4096 tasks where cgroup v1 has one (a root fork bomb), then the command;
+# reaps every orphan, exits with the command's status. Its end (the namespace's) SIGKILLs whatever is left inside.
+CONTAIN_INIT = """
+import os, subprocess, sys
+for d in ("/tmp", "/var/tmp", "/dev/shm"):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", d], check=True)
+if os.path.isdir("/dev/mqueue"):
+    subprocess.run(["mount", "-t", "mqueue", "mqueue", "/dev/mqueue"], check=True)
+cg = "/sys/fs/cgroup/pids/mutation-score-" + os.urandom(4).hex()
+try:
+    os.mkdir(cg)
+    for name, value in (("pids.max", "4096"), ("cgroup.procs", "0")):
+        with open(os.path.join(cg, name), "w") as f:
+            f.write(value)
+except OSError:
+    pass
+child = subprocess.Popen(sys.argv[1:])
+while True:
+    pid, status = os.wait()
+    if pid == child.pid:
+        break
+try:
+    with open("/sys/fs/cgroup/pids/cgroup.procs", "w") as f:
+        f.write("0")
+    os.rmdir(cg)
+except OSError:
+    pass
+sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)
+"""
 
 
 def prepare(module, tests, work):
@@ -43,6 +78,27 @@ def prepare(module, tests, work):
             os.makedirs(os.path.dirname(os.path.join(work, f)), exist_ok=True)
             shutil.copy2(os.path.join(REPO, f), os.path.join(work, f))
     configure(module, tests, work)
+
+
+def share_mutmut(work):
+    """Copies the installed mutmut package (and its dist-info) into work/mutants/, next to the mutated package: every
+    mutated module imports mutmut's trampoline, and a test that runs the package in a child under another Python and
+    uid (the sandbox's non-root cells: /usr/bin/python3 -I -S as an unused uid, with only the tests' repository on its
+    sys.path) could not import mutmut from this Python's site-packages (e.g. under /root, 0700): the clean run under
+    mutmut failed ("failed to collect stats"). The child's environment has no MUTANT_UNDER_TEST, so the trampoline
+    runs the original functions there; mutmut itself (already imported) is not shadowed."""
+    import importlib.metadata
+    try:
+        dist = importlib.metadata.distribution("mutmut")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    for f in dist.files or ():
+        src = str(dist.locate_file(f))
+        if f.parts[0] in ("..", "__pycache__") or "__pycache__" in f.parts or not os.path.isfile(src):
+            continue
+        dst = os.path.join(work, "mutants", *f.parts)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(src, dst)
 
 
 def configure(module, tests, work):
@@ -76,12 +132,31 @@ def run_module(module, tests, max_children, again=False, skip=()):
                  if s not in KILLED and not any(fnmatch.fnmatch(n, g) for g in skip)]
     else:
         prepare(module, tests, work)
+    share_mutmut(work)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the mutated copy must be the one imported
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny tests: one thread each is fastest, and the cores are shared
     env["NANOTRAIN_TEST_SHARED_BASE"] = os.path.join(work, "shared_base")  # corpus + tokenizer built once, not per mutant
     if not again or names:
-        subprocess.run([MUTMUT, "run", "--max-children", str(max_children), *names], cwd=work, env=env, check=True)
+        subprocess.run(contained([MUTMUT, "run", "--max-children", str(max_children), *names]), cwd=work, env=env,
+                       check=True)
     return results_of(work)
+
+
+def contained(argv):
+    """argv, or, when this process is root on Linux, argv run in PID, IPC and mount namespaces of its own
+    (CONTAIN_INIT: private /tmp, /var/tmp, /dev/shm, /dev/mqueue, a pids cgroup). The sandbox's tests run hostile
+    programs meant for a throwaway uid, and a mutant of nanotrain/sandbox/ that loses the uid switch runs them (or the
+    sweep's kill(-1, SIGKILL)) as root: on the bare machine that killed every process on it (2026-11-28); inside,
+    only this run's processes. Likewise a mutant of the /tmp or SysV IPC clean-up reaches only this run's files and
+    objects. Exits (one line) when root has no `unshare` (util-linux) to do it with."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return argv
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        sys.exit("mutation_score.py: as root, mutmut runs in namespaces of its own (see contained()): install "
+                 "util-linux's unshare")
+    return [unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--mount", "--propagation",
+            "private", sys.executable, "-c", CONTAIN_INIT, *argv]
 
 
 def results_of(work):

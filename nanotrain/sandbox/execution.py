@@ -170,8 +170,8 @@ def _run(code, timeout_s, memory_bytes, cpu_s, file_bytes, pass_fds, unsafe_code
     if os.name != "posix":
         raise RuntimeError("run_program needs a POSIX system (Linux or macOS)")
     kind = isolation()
-    if kind == "none":
-        require_isolation(UNSAFE_CODE if unsafe_code is None else unsafe_code)
+    if kind == "none" and not (UNSAFE_CODE if unsafe_code is None else unsafe_code):
+        require_isolation()  # raises: a per-call unsafe_code=True is not made the setting of later calls
     cpu_s = math.ceil(timeout_s) + 1 if cpu_s is None else cpu_s
     uid = unused_uid() if kind == "uid" else None
     python = _python(uid)
