@@ -23,7 +23,7 @@ Endpoints:
   GET /v1/models, GET /health (503 once an engine's process has died), GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
 Requests are decoded together with continuous batching (nanotrain.batch_engine: a request joins the running batch at
 the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429), in a process of its own
-(nanotrain.batch_engine.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
+(nanotrain.engine_process.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
 one engine process per GPU, each request going to the least loaded (requests submitted and not finished); a client that goes away
 mid-stream frees its row within one decode step, and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
 "param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
@@ -42,11 +42,12 @@ import uuid
 import torch
 
 import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
-from nanotrain.batch_engine import EngineProcess, QueueFull
+from nanotrain.batch_engine import QueueFull
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
 from nanotrain.engine import TextStream, readable
+from nanotrain.engine_process import EngineProcess
 from nanotrain.errors import UserError
 from nanotrain.tokenizer import get_tokenizer
 
@@ -155,8 +156,9 @@ def parse_sampling(body):
 
 
 def make_app(engines, tokenizer, model_id, key):
-    """The FastAPI app serving `engines` (nanotrain.batch_engine.EngineProcess or BatchEngine objects of one
-    checkpoint, one per device; each request goes to the least loaded). key: the bearer token required, or ""."""
+    """The FastAPI app serving `engines` (nanotrain.engine_process.EngineProcess or batch_engine.BatchEngine objects
+    of one checkpoint, one per device; each request goes to the least loaded). key: the bearer token required, or
+    ""."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 

@@ -178,3 +178,24 @@ def write_benchmark_copy(folder):
     with open(os.path.join(folder, "all", "test-00000-of-00001.jsonl"), "w") as f:
         f.write("".join(json.dumps(r) + "\n" for r in mmlu))
     return str(folder)
+
+
+# an lm-evaluation-harness multiple-choice task on local JSONL rows (test_hf_export, test_serve_lmeval): format with
+# the task's name and the data file
+LOCAL_MC_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+MC_ROWS = [{"question": "The cat sat on the", "choices": ["mat.", "cat", "42"], "answer": 0},
+           {"question": "What is 12 + 30? It is", "choices": ["42.", "fine", "there"], "answer": 0},
+           {"question": "Hello there, how are you", "choices": ["mat", "doing today?"], "answer": 1},
+           {"question": "I'm fine, thanks;", "choices": ["you're kind.", "It is 42."], "answer": 0}]

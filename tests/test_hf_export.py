@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import LOCAL_MC_TASK, MC_ROWS, run_script
 
 pytest.importorskip("tokenizers", reason="the transformers export needs tokenizers (requirements.txt pins it)")
 pytest.importorskip("transformers", reason="the transformers export needs transformers (requirements.txt pins it)")
@@ -396,25 +396,6 @@ def test_round_trip_every_option(exported, model, tok, tmp_path):
     assert torch.equal(loaded.wte.weight.float(), two.wte.weight.bfloat16().float())
 
 
-LOCAL_TASK = """task: nanotrain_local_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-MC_ROWS = [{"question": "The cat sat on the", "choices": ["mat.", "cat", "42"], "answer": 0},
-           {"question": "What is 12 + 30? It is", "choices": ["42.", "fine", "there"], "answer": 0},
-           {"question": "Hello there, how are you", "choices": ["mat", "doing today?"], "answer": 1},
-           {"question": "I'm fine, thanks;", "choices": ["you're kind.", "It is 42."], "answer": 0}]
-
-
 @pytest.mark.slow  # importing the optional harness and its run take ~20 s; the default tier keeps the exported
 # directory it reads (the tests above) and no other test runs the harness (lm_eval is not in requirements.txt)
 @pytest.mark.unit
@@ -437,7 +418,7 @@ def test_lm_eval_local_task_scores_the_project_loglikelihoods(exported, model, t
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in MC_ROWS))
     (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "local_mc.yaml").write_text(LOCAL_TASK.format(data=data))
+    (tmp_path / "tasks" / "local_mc.yaml").write_text(LOCAL_MC_TASK.format(name="nanotrain_local_mc", data=data))
     results, samples = run_lm_eval(path, "nanotrain_local_mc", str(tmp_path / "tasks"), log_samples=True)
 
     def loglik(context, continuation, bos=True):

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -90,6 +91,22 @@ def post(url, body, key="k", raw=None):
         return e.code, json.loads(e.read())
 
 
+def health(url):
+    """The server's /health object."""
+    with urllib.request.urlopen(url + "/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def nothing_decoding_within(url, seconds):
+    """True once /health shows no row decoding, polled every 50 ms; False after `seconds`."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if health(url)["decoding"] == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_sdk_streaming_and_not_equal_engines_greedy_reply(server):
     """
     The openai SDK, non-streaming and streaming (temperature 0, max_tokens 12): the text equals Engine's greedy tokens
@@ -160,8 +177,7 @@ def test_16_concurrent_streams_each_equal_their_solo_reply(server):
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    with urllib.request.urlopen(url + "/health", timeout=10) as r:
-        assert json.loads(r.read())["status"] == "ok"
+    assert health(url)["status"] == "ok"
     for t in threads:
         t.join(timeout=120)
     for i in range(len(prompts)):
@@ -174,7 +190,6 @@ def test_a_client_gone_mid_stream_frees_its_row(server):
     a second (/health: nothing decoding) and the next request is served. Catches a generation that runs on for a
     client that left (the row held for 600 steps, seconds on this model).
     """
-    import time
     url, base = server
     messages = [{"role": "user", "content": "Tell a story."}]
     assert engine_reply(base, messages, 600)[1] == 600  # alone, it would decode all 600 tokens
@@ -183,14 +198,7 @@ def test_a_client_gone_mid_stream_frees_its_row(server):
     it = iter(stream)
     next(it), next(it)
     stream.close()
-    deadline = time.time() + 1
-    while time.time() < deadline:
-        with urllib.request.urlopen(url + "/health", timeout=10) as r:
-            if json.loads(r.read())["decoding"] == 0:
-                break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the row of the closed stream is still decoding")
+    assert nothing_decoding_within(url, 1), "the row of the closed stream is still decoding"
     status, obj = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert status == 200
 
@@ -201,7 +209,6 @@ def test_requests_go_to_the_least_loaded_engine(server):
     to the other (/health: one decoding on each), and once both end nothing decodes anywhere. Catches every request
     sent to the first engine (both on one, the other idle) and a load that forgets requests that left.
     """
-    import time
     url, _ = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
     streams = []
@@ -211,32 +218,24 @@ def test_requests_go_to_the_least_loaded_engine(server):
         it = iter(s)
         next(it), next(it)  # decoding now
         streams.append(s)
-    with urllib.request.urlopen(url + "/health", timeout=10) as r:
-        engines = json.loads(r.read())["engines"]
+    engines = health(url)["engines"]
     for s in streams:
         s.close()
     assert [e["decoding"] for e in engines] == [1, 1], engines
-    deadline = time.time() + 2
-    while time.time() < deadline:
-        with urllib.request.urlopen(url + "/health", timeout=10) as r:
-            if json.loads(r.read())["decoding"] == 0:
-                break
-        time.sleep(0.05)
-    else:
-        pytest.fail("a closed stream's row is still decoding")
+    assert nothing_decoding_within(url, 2), "a closed stream's row is still decoding"
 
 
 def test_an_engine_process_that_cannot_load_or_dies_is_one_line(server, tmp_path, monkeypatch):
     """
-    nanotrain.batch_engine.EngineProcess: a checkpoint that does not exist is the engine process's one line
+    nanotrain.engine_process.EngineProcess: a checkpoint that does not exist is the engine process's one line
     (UserError), not a hang or a traceback; an engine process killed mid-request fails that request with a
     RuntimeError naming the exit and refuses later submits (UserError). Catches a server that waits forever on an
     engine that never became ready, and requests left waiting on a dead engine.
     """
     import functools
 
-    from nanotrain.batch_engine import EngineProcess
     from nanotrain.checkpoint import load_model
+    from nanotrain.engine_process import EngineProcess
     from nanotrain.errors import UserError
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     with pytest.raises(UserError, match="no base checkpoint found"):
@@ -320,7 +319,6 @@ def test_a_reader_that_reads_nothing_stalls_no_one(server):
     tokens dropped for a reader that fell behind.
     """
     import socket
-    import time
     url, _ = server
     port = int(url.rsplit(":", 1)[1])
     body = json.dumps({"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 600,
@@ -331,18 +329,13 @@ def test_a_reader_that_reads_nothing_stalls_no_one(server):
     slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     try:
-        def decoding():
-            with urllib.request.urlopen(url + "/health", timeout=10) as r:
-                return json.loads(r.read())["decoding"]
         deadline = time.time() + 20
-        while decoding() == 0 and time.time() < deadline:  # the unread request has its row
+        while health(url)["decoding"] == 0 and time.time() < deadline:  # the unread request has its row
             time.sleep(0.02)
         t0 = time.time()
         status, obj = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
         assert status == 200 and time.time() - t0 < 10
-        while decoding() > 0 and time.time() < deadline:  # and decodes to its end, read or not
-            time.sleep(0.05)
-        assert decoding() == 0, "the unread stream's row never finished decoding"
+        assert nothing_decoding_within(url, 20), "the unread stream's row never finished decoding"  # read or not
         slow.settimeout(10)
         received = b""
         while b"data: [DONE]" not in received:  # every event is still delivered, to the end

@@ -19,26 +19,11 @@ for _extra in ("tenacity", "aiohttp", "requests"):  # what lm_eval's API models 
     pytest.importorskip(_extra, reason="lm_eval's local-completions needs lm_eval[api]")
 pytest.importorskip("transformers", reason="the harness reads the tokenizer as a transformers tokenizer")
 
+from helpers import LOCAL_MC_TASK, MC_ROWS  # noqa: E402
 from test_serve import start_server  # noqa: E402
 
-LOCAL_TASK = """task: nanotrain_serve_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-ROWS = [{"question": "The cat sat on the", "choices": ["mat.", "cat", "42"], "answer": 0},
-        {"question": "What is 12 + 30? It is", "choices": ["42.", "fine", "there"], "answer": 0},
-        {"question": "Hello there, how are you", "choices": ["mat", "doing today?"], "answer": 1},
-        {"question": "I'm fine, thanks;", "choices": ["you're kind.", "It is 42."], "answer": 0},
-        {"question": "The capital of France is", "choices": ["Paris", "a city in Europe", "blue"], "answer": 0}]
+ROWS = MC_ROWS + [{"question": "The capital of France is", "choices": ["Paris", "a city in Europe", "blue"],
+                   "answer": 0}]
 
 
 def harness_logliks(url, tokenizer_dir, task_dir, add_bos_token):
@@ -96,7 +81,7 @@ def test_lm_eval_local_completions_scores_base_evals_logliks(shared_base_dir, tm
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     (tmp_path / "tasks").mkdir()
-    (tmp_path / "tasks" / "serve_mc.yaml").write_text(LOCAL_TASK.format(data=data))
+    (tmp_path / "tasks" / "serve_mc.yaml").write_text(LOCAL_MC_TASK.format(name="nanotrain_serve_mc", data=data))
 
     # base_eval's scoring: CORE's multiple-choice protocol, zero-shot, delimiter " " (the harness's target_delimiter)
     task = {"label": "serve_mc", "task_type": "multiple_choice", "num_fewshot": 0, "delimiter": " "}
