@@ -76,9 +76,7 @@ def main():
         out = write_results(run_dir, dict(result, checkpoint=path, bundle=bundle), meta.get("step"))
         print0(f"saved {out} and core.csv" + (" and core_samples.jsonl" if log_samples else ""))
         # the results are saved: a report card that cannot be written is one warning line, not a failure
-        report = write_section_or_warn(os.path.basename(run_dir), "base", run_dir)
-        if report:
-            print0(f"Report card: {report}")
+        write_section_or_warn(os.path.basename(run_dir), "base", run_dir)
 
 
 if __name__ == "__main__":

@@ -124,10 +124,7 @@ def main():
             write_samples(os.path.join(run_dir, "chat_eval_samples.jsonl"), samples)
             print0(f"saved {len(samples)} sample records to {os.path.join(run_dir, 'chat_eval_samples.jsonl')}")
         # the results are saved: a report card that cannot be written is one warning line, not a failure
-        report = write_section_or_warn(os.path.basename(run_dir), "eval", run_dir,
-                                       {"wall_time_s": time.time() - t_start})
-        if report:
-            print0(f"Report card: {report}")
+        write_section_or_warn(os.path.basename(run_dir), "eval", run_dir, {"wall_time_s": time.time() - t_start})
     compute_cleanup()
 
 

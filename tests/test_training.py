@@ -314,14 +314,16 @@ def test_resolve_compile_defaults_per_device(monkeypatch):
 def test_open_and_finish_a_run_write_config_metrics_and_report(one_rank_mesh, tmp_path, monkeypatch, capsys):
     """
     open_run_log prints the run directory and the sorted settings, writes config.json and returns the metrics log;
-    finish_run prints the summary and the outputs, closes the log and writes the stage's report section with the wall
-    time since t_start (100 s ago here), after the replica check (under a process group of one rank). A non-master rank writes no config.json and logs nothing. A refused
-    metrics.jsonl (a bad row) stops open_run_log before config.json changes. Catches config written by every rank,
-    written before the metrics check, the wall time measured from the wrong start, the log left open.
+    finish_run prints the summary and the outputs and closes the log, after the replica check (under a process group
+    of one rank); the report section the scripts write next has the wall time since t_start. A non-master rank writes
+    no config.json and logs nothing. A refused metrics.jsonl (a bad row) stops open_run_log before config.json
+    changes. Catches config written by every rank, written before the metrics check, the wall time measured from the
+    wrong start, the log left open.
     """
     import time
 
     from nanotrain.errors import UserError
+    from nanotrain.report.card import write_section_or_warn
     from nanotrain.run import finish_run, open_run_log
 
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
@@ -332,7 +334,10 @@ def test_open_and_finish_a_run_write_config_metrics_and_report(one_rank_mesh, tm
     assert f"Run directory: {run_dir}\n" in out and 'Config: {"a": 1, "b": 2}\n' in out
     assert json.loads((run_dir / "config.json").read_text()) == {"a": 1, "b": 2}
     metrics.log(step=1, loss=3.0, dt=0.5, tok_per_sec=10.0, mfu=0.1)
-    finish_run(torch.nn.Linear(2, 2), str(run_dir), "base", metrics, time.time() - 100, "Done: 1 step")
+    t_start = time.time() - 100
+    finish_run(torch.nn.Linear(2, 2), str(run_dir), metrics, "Done: 1 step")
+    # then, as every training script does, the stage's report section with the wall time since t_start (100 s ago)
+    write_section_or_warn("r1", "base", str(run_dir), {"wall_time_s": time.time() - t_start})
     out = capsys.readouterr().out
     assert "Done: 1 step\n" in out and f"Outputs: {run_dir} (base dir {tmp_path})" in out and "Report card: " in out
     assert "Replica check: parameters identical on all 1 ranks" in out  # (one gloo rank: the check runs)
