@@ -447,3 +447,24 @@ def test_grad_accum_steps_bounds_and_suggestions():
     with pytest.raises(UserError) as e:
         grad_accum_steps_for(4096, 20, 256, 1)
     assert str(e.value).endswith("--device_batch_size in [4, 8, 16] (divisors of 4096 / (256 * 1) = 16)")
+
+
+def test_evaluate_bpb_says_its_eta_once_without_changing_the_result():
+    """
+    evaluate_bpb(log_eta=print) calls it exactly once, after the second of 5 batches ("3 of 5 batches left"), and
+    returns the same bpb as without it; with 2 batches it says nothing (no second batch to time after the first).
+    Catches an ETA printed per batch, timed from the first batch (which may compile), or one that changes the sums.
+    """
+    from nanotrain.loss_eval import evaluate_bpb
+
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 16), generator=gen))
+            for _ in range(5)]
+    token_bytes = torch.ones(64, dtype=torch.int64)
+    said = []
+    with_eta = evaluate_bpb(model, iter(rows), 5, token_bytes, log_eta=said.append)
+    assert len(said) == 1 and said[0].startswith("val: 3 of 5 batches left, ETA ") and said[0].endswith(" s")
+    assert with_eta == evaluate_bpb(model, iter(rows), 5, token_bytes)
+    evaluate_bpb(model, iter(rows), 2, token_bytes, log_eta=said.append)
+    assert len(said) == 1
