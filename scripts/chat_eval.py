@@ -13,13 +13,13 @@ the report card's eval section.
 The protocol is nanochat's (karpathy/nanochat `scripts/chat_eval.py` and `tasks/*.py`; nanotrain.evaluation.chat_metrics
 scores it):
 
-    task                     test rows      scored by                                                     chance
-    arc_easy, arc_challenge  2,376, 1,172   the argmax of the choice letters' logits after <|assistant_start|>,  0.25
+    task                     test rows      scored by                                                           chance
+    arc_easy, arc_challenge  2,376, 1,172   the argmax of the choice letters' logits after <|assistant_start|>, 0.25
                                             choices rendered "- choice=A"
-    mmlu                     14,042         the same, letters A-D (57 subjects)                               0.25
-    gsm8k                    1,319          greedy, 512 tokens, the calculator live; the first "#### N"          0
+    mmlu                     14,042         the same, letters A-D (57 subjects)                                 0.25
+    gsm8k                    1,319          greedy, 512 tokens, the calculator live; the first "#### N"         0
                                             (commas removed) equals the reference's
-    humaneval                164            greedy pass@1, 512 tokens; the reply's first code block checked      0
+    humaneval                164            greedy pass@1, 512 tokens; the reply's first code block checked     0
                                             by the problem's tests in the sandbox
 
 ChatCORE is the mean of the five centred accuracies (acc - chance) / (1 - chance), reported only when all five ran.
