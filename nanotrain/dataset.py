@@ -25,8 +25,8 @@ import time
 
 from nanotrain.builtin_corpus import build_builtin_corpus, builtin_stats
 from nanotrain.common import die, get_base_dir, print0
+from nanotrain.downloads import hub_endpoint, offline_mode, unreachable_reason
 from nanotrain.errors import UserError
-from nanotrain.hub import hub_endpoint, offline_mode, unreachable_reason
 
 SPLITS = ("train", "val")
 EXTENSIONS = (".parquet", ".jsonl", ".txt")

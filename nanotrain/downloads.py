@@ -8,13 +8,18 @@ and nothing half-written is left behind.
 Every file of such a directory is recorded in its marker (a JSON file written last) with its sha256 and its row count
 (lines), and checked against that record on every load (ensure_built, check_manifest): a file cut, edited, emptied,
 deleted or damaged on disk after the download is found before anything is read from it, and fetched again once.
+
+The Hugging Face hub, asked quickly (the last chapter): offline mode and a fail-fast reachability check for every
+loader that reads from the hub, so that offline a load fails in seconds with one line.
 """
 
 import contextlib
 import hashlib
 import json
 import os
+import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from nanotrain.common import any_rank, get_base_dir, get_dist_info, print0
@@ -234,3 +239,44 @@ def rank0_first(fetch, device):
     if failed:
         raise UserError("rank 0 could not fetch the evaluation data (see its error)")
     return value if rank == 0 else fetch()
+
+
+# ----------------------------------------------------------------------------- the Hugging Face hub, asked quickly
+# offline mode and a fail-fast reachability check, shared by every loader that reads from the hub (fineweb-edu shards,
+# the chat tasks, lm-eval's data), so that offline a load fails in seconds with one line instead of after
+# huggingface_hub's own retries
+
+HUB_CONNECT_TIMEOUT_S = 5.0  # seconds to open a TCP connection to the hub
+
+
+def hub_endpoint():
+    """The hub's URL: $HF_ENDPOINT, else https://huggingface.co."""
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
+def offline_mode():
+    """True when HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set to 1/ON/YES/TRUE (the libraries use their caches only)."""
+    return any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def check_reachable(endpoint, timeout=HUB_CONNECT_TIMEOUT_S):
+    """Opens (and closes) a TCP connection to the endpoint's host; raises OSError within ~`timeout` s if offline."""
+    url = urllib.parse.urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    socket.create_connection((url.hostname, port), timeout=timeout).close()
+
+
+def unreachable_reason():
+    """None when the hub looks reachable (or cannot be tested: offline mode uses the cache, a proxy hides the route),
+    else a short reason ("offline? cannot reach https://huggingface.co: ...")."""
+    if offline_mode():
+        return None
+    endpoint = hub_endpoint()
+    if urllib.request.getproxies().get(urllib.parse.urlparse(endpoint).scheme):
+        return None
+    try:
+        check_reachable(endpoint)
+    except OSError as e:
+        return f"offline? cannot reach {endpoint}: {e}; with HF_HUB_OFFLINE=1 a cached copy is used"
+    return None

@@ -395,7 +395,7 @@ def build_model(model_config, device, checkpoint=None, vocab_size=None, init_dev
     The GPT every script trains or samples: built on the meta device (no memory), materialised on `init_device`
     (default `device`; FSDP passes the CPU and shards afterwards), initialised with init_weights() from torch's RNG
     (seed first for a reproducible init), then loaded from checkpoint["model"] when a checkpoint (a dict of
-    nanotrain.checkpoint.load_checkpoint: "model", "meta", "path") is given. model_config: a GPTConfig (for a
+    nanotrain.checkpoint_format.load_checkpoint: "model", "meta", "path") is given. model_config: a GPTConfig (for a
     checkpoint, normally GPTConfig(**checkpoint["meta"]["model_config"]), max_seq_len may differ: it only sizes the
     rotary table). vocab_size: the tokenizer's, checked against the checkpoint's vocab_size (or, without one,
     model_config's). tokenizer_sha256: the tokenizer's fingerprint (Tokenizer.fingerprint), checked against the

@@ -4,15 +4,16 @@ Bits per byte: the validation metric of pretraining, independent of the tokenize
 """
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import is_distributed
+from nanotrain.common import is_distributed, synchronize
 
 
 @torch.no_grad()
-def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None, stop=None):
+def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None, stop=None, log_eta=None):
     """
     Validation bits per byte over `steps` batches from the iterator `batches` of (inputs, targets) int64 (B, T).
 
@@ -22,13 +23,22 @@ def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None, stop=Non
     token_bytes: int64 (vocab_size,) on the model's device. Restores model.train() mode if it was on.
     stop: optional callable, asked before each batch (every rank asks it equally often, so it may be collective):
     when it returns True the evaluation is abandoned and None is returned (a stop request during a long evaluation).
+    log_eta: optional print function; with 3 or more steps it is called once, after the second batch, with the time
+    the rest will take (the second batch's time between two device syncs, times the batches left: the first batch
+    may include compilation).
     """
     was_training = model.training
     model.eval()
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_bytes = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(steps):
+    for i in range(steps):
+        if log_eta is not None and steps >= 3 and i in (1, 2):  # the second batch's time: two syncs per evaluation
+            synchronize(device)
+            if i == 1:
+                t_batch = time.perf_counter()
+            else:
+                log_eta(f"val: {steps - 2} of {steps} batches left, ETA {(time.perf_counter() - t_batch) * (steps - 2):.0f} s")
         if stop is not None and stop():
             model.train(was_training)
             return None

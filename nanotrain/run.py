@@ -1,7 +1,7 @@
 """
 A run directory's life (<base_dir>/<stage>/<run>/): created and locked by the one process that trains it
 (lock_run_dir), its config.json and metrics.jsonl (open_run_log, MetricsLog), the step's log line (step_log_line),
-and the end of a stage (finish_run: the replica check under DDP, the summary, the report card's section).
+and the end of a stage (finish_run: the replica check under DDP, the summary; the scripts then write the report card).
 What is inside checkpoints/ is nanotrain.checkpoint's.
 """
 
@@ -19,7 +19,6 @@ import torch.distributed as dist
 from nanotrain.common import all_reduce_scalar, any_rank, atomic_write_json, get_base_dir, is_distributed, print0
 from nanotrain.errors import UserError, os_errors_name
 from nanotrain.fsdp import is_fsdp
-from nanotrain.report.card import write_section_or_warn
 
 try:  # POSIX (Linux, macOS); elsewhere runs are not locked
     import fcntl
@@ -255,21 +254,16 @@ def start_wandb(project, run_dir, settings):
                         f"{hint}") from None
 
 
-def finish_run(model, run_dir, stage, metrics, t_start, summary):
+def finish_run(model, run_dir, metrics, summary):
     """
     The end of a training stage: checks that DDP replicas agree (check_replicas), prints the stage's summary line
-    and where the outputs are, closes the metrics log and writes the stage's section of the report card
-    (nanotrain.report.card.write_section_or_warn, rank 0: one `warning: ...` line when it cannot be written, the stage
-    still succeeds) with the stage's wall time since t_start (time.time() seconds).
+    and where the outputs are, and closes the metrics log. The script then writes its section of the report card
+    (nanotrain.report.card.write_section_or_warn: the periphery, which this module does not import).
     """
     check_replicas(model)
     print0(summary)
     print0(f"Outputs: {run_dir} (base dir {get_base_dir()})")
     metrics.close()
-    # the training and its checkpoint are done: a report card that cannot be written is a warning, not a failure
-    report = write_section_or_warn(os.path.basename(run_dir), stage, run_dir, {"wall_time_s": time.time() - t_start})
-    if report:  # rank 0 only
-        print0(f"Report card: {report}")
 
 
 def save_due(step, last_step, save_every, resume_step=None):

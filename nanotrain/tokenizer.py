@@ -156,10 +156,6 @@ class Tokenizer:
             h.update(rank.to_bytes(4, "little") + len(token).to_bytes(4, "little") + token)
         return h.hexdigest()
 
-    def get_special_tokens(self):
-        """The special token strings, in id order."""
-        return list(SPECIAL_TOKENS)
-
     def get_bos_token_id(self):
         """The id of <|bos|>, which starts every document."""
         return self.special_tokens["<|bos|>"]

@@ -46,6 +46,7 @@ from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.gpt import GPT, build_model, config_from_depth, policy_name
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.optim import adamw_lr_scale, compile_optimizer_step, setup_optimizers
+from nanotrain.report.card import write_section_or_warn
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer
 
 # ----------------------------------------------------------------------------- settings
@@ -97,7 +98,7 @@ warmdown_ratio = 0.65  # [0, 1]: fraction of the steps at the end with a linear 
 final_lr_frac = 0.05  # [0, 1]: lr multiplier at the last step
 # evaluation, sampling, checkpoints (-1 turns each off, except at the end of the run)
 eval_every = 250  # -1 or >= 1: steps between validation bpb evaluations
-eval_tokens = 20 * 524288  # >= 1: validation tokens per evaluation
+eval_tokens = None  # >= 1: validation tokens per evaluation; None: 20 x 2^19 on CUDA (nanochat's), 2^20 elsewhere
 sample_every = 2000  # -1 or >= 1: steps between greedy samples of a few fixed prompts (rank 0)
 save_every = 1000  # -1 or >= 1: steps between checkpoints
 keep_last = 2  # >= 0: checkpoints kept on disk (0 keeps all)
@@ -116,7 +117,8 @@ activation_checkpointing = "none"  # none|selective|full|auto; nanotrain/gpt.py
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
                                           "muon_weight_decay": (float,), "final_momentum": (float,),
-                                          "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,)})
+                                          "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,),
+                                          "eval_tokens": (int,)})
 # -----------------------------------------------------------------------------
 
 RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "row_packing", "value_embeds", "smear",
@@ -129,6 +131,8 @@ def main():
     is_ddp, rank, local_rank, world_size, device = compute_init(device_type)
     master = rank == 0
     compute_dtype, autocast_ctx = training.precision(dtype, device)  # fp32 master weights; bf16 autocast where fast
+    # nanochat's evaluation size is sized for 8 GPUs: 10.5 M tokens would take ~20 minutes on a CPU at depth 4
+    eval_tokens = config["eval_tokens"] = config["eval_tokens"] or (20 * 2**19 if device.type == "cuda" else 2**20)
     use_compile = training.resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
     ac_policy = policy_name(activation_checkpointing, allow_auto=True)  # auto: chosen with the device batch size
     use_fsdp = fsdp and world_size > 1
@@ -284,6 +288,10 @@ def main():
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "
            f"{total_steps * total_batch_size / num_params:.1f} tokens/param)")
     print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
+    print0(f"Validation: {eval_steps * device_batch_size * max_seq_len * world_size:,} tokens per evaluation "
+           f"({eval_steps} batches of {device_batch_size} x {max_seq_len}{f' x {world_size} ranks' if world_size > 1 else ''}"
+           f"), {f'every {eval_every} steps and ' if eval_every > 0 else ''}at the end; the first prints its ETA after "
+           f"its second batch")
     metrics = run.open_run_log(run_dir, config, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):
@@ -319,7 +327,8 @@ def main():
         if last_step or (eval_every > 0 and step % eval_every == 0):
             t0 = time.time()
             val_bpb = evaluate_bpb(model, val_batches(), eval_steps, token_bytes, autocast_ctx,
-                                   stop=lambda: any_rank(nanotrain.stop.requested, device))
+                                   stop=lambda: any_rank(nanotrain.stop.requested, device),
+                                   log_eta=print0 if val_bpb is None else None)
             if val_bpb is None:  # a stop request during the evaluation: save this step and stop
                 stop = True  # (a resumed run evaluates at its first step)
                 continue
@@ -391,7 +400,9 @@ def main():
     # replicas agree, the summary, the report card section
     summary = (f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
                f"final val bpb {val_bpb if val_bpb is None else round(val_bpb, 4)}")
-    run.finish_run(orig_model, run_dir, "base", metrics, t_start, summary)
+    run.finish_run(orig_model, run_dir, metrics, summary)
+    # the training and its checkpoint are done: a report card that cannot be written is a warning, not a failure
+    write_section_or_warn(os.path.basename(run_dir), "base", run_dir, {"wall_time_s": time.time() - t_start})
 
 
 if __name__ == "__main__":

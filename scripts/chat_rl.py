@@ -52,6 +52,7 @@ from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.optim import setup_optimizers
+from nanotrain.report.card import write_section_or_warn
 from nanotrain.rl import empty_micro_batch, group_advantages, pass_at_k, rl_micro_batches, rl_rows, rollout_seed
 from nanotrain.sft_data import ConversationSampler, token_loss_scale
 from nanotrain.tasks.common import wilson_interval
@@ -276,7 +277,9 @@ def main():
 
     summary = (f"Done: {step} steps, training time {train_time / 60:.2f} min, final held-out pass@1 "
                f"{pass1 if pass1 is None else round(pass1, 4)}")
-    run.finish_run(orig_model, run_dir, "rl", metrics, t_start, summary)
+    run.finish_run(orig_model, run_dir, metrics, summary)
+    # the training and its checkpoint are done: a report card that cannot be written is a warning, not a failure
+    write_section_or_warn(os.path.basename(run_dir), "rl", run_dir, {"wall_time_s": time.time() - t_start})
 
 
 if __name__ == "__main__":

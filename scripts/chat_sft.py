@@ -59,6 +59,7 @@ from nanotrain.evaluation.chat_metrics import chatcore, score_task
 from nanotrain.gpt import GPTConfig, build_model, policy_name
 from nanotrain.optim import adamw_lr_scale, setup_optimizers
 from nanotrain.osft import setup_osft
+from nanotrain.report.card import write_section_or_warn
 from nanotrain.sandbox.execution import require_isolation
 from nanotrain.sft_data import (
     LONG_POLICIES,
@@ -415,7 +416,9 @@ def main():
     # replicas agree, the summary, the report card section
     summary = (f"Done: {step} steps, {tokens_seen:,} tokens, training time {train_time / 60:.2f} min, "
                f"final val loss {val_loss if val_loss is None else round(val_loss, 4)}")
-    run.finish_run(orig_model, run_dir, "sft", metrics, t_start, summary)
+    run.finish_run(orig_model, run_dir, metrics, summary)
+    # the training and its checkpoint are done: a report card that cannot be written is a warning, not a failure
+    write_section_or_warn(os.path.basename(run_dir), "sft", run_dir, {"wall_time_s": time.time() - t_start})
 
 
 if __name__ == "__main__":

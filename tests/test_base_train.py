@@ -184,3 +184,22 @@ def test_validation_covers_eval_tokens_after_a_step_down(base_dir, tmp_path):
     record = json.load(open(os.path.join(base_dir, "base", "sd", "auto_batch_size.json")))
     assert record["step_downs"] == [[1, 8, 2]]
     assert [json.loads(line)["tokens"] for line in log.read_text().splitlines()] == [2048, 2048, 2048]
+
+
+@pytest.mark.slow  # 2^20 validation tokens: minutes on 2 cores
+def test_default_evaluation_size_suits_the_device_and_says_its_eta(base_dir):
+    """
+    Without --eval_tokens a CPU run evaluates 2^20 tokens (not nanochat's 20 x 2^19, sized for 8 GPUs: ~20 minutes on
+    a CPU at depth 4), prints what each evaluation reads before the first one, and the first evaluation prints its
+    ETA after its second batch; config.json records the size used. Catches the GPU default applied on a CPU, a size
+    line that counts other tokens than the batches read, and an ETA that is never printed.
+    """
+    args = [a for a in TINY_TRAIN if not a.startswith(("--eval_tokens", "--max_seq_len", "--device_batch_size",
+                                                        "--total_batch_size"))]
+    r = run_script("base_train.py", *args, "--max_seq_len=512", "--device_batch_size=32", "--total_batch_size=16384",
+                   "--num_iterations=1", "--run_name=ev", base_dir=base_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Validation: 1,048,576 tokens per evaluation (64 batches of 32 x 512), at the end" in r.stdout
+    assert "val: 62 of 64 batches left, ETA " in r.stdout
+    assert r.stdout.index("Validation: ") < r.stdout.index("val: 62 of 64") < r.stdout.index("val bpb")
+    assert json.load(open(os.path.join(base_dir, "base", "ev", "config.json")))["eval_tokens"] == 2**20

@@ -6,7 +6,7 @@ encode, never by calling the function under test.
 
 import pytest
 
-from nanotrain.tokenizer import Tokenizer
+from nanotrain.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 TEXT = ["What is 2 + 3? 2 + 3 = 5. Answer: 5. Hello there, how are you? I am fine, thanks.",
         "Be brief. print(2 + 3) gives 5. The quick brown fox."] * 20
@@ -18,7 +18,7 @@ def tok():
 
 
 def special(tok):
-    return {name.strip("<|>"): tok.encode_special(name) for name in tok.get_special_tokens()}
+    return {name.strip("<|>"): tok.encode_special(name) for name in SPECIAL_TOKENS}
 
 
 @pytest.mark.unit

@@ -301,7 +301,7 @@ def test_a_damaged_tensor_file_is_one_line_naming_it(tmp_path, damage):
     the zip reader, or for random bytes an UnpicklingError of several paragraphs that even suggests loading with
     weights_only=False.
     """
-    from nanotrain.checkpoint import load_checkpoint
+    from nanotrain.checkpoint_format import load_checkpoint
     model, opts = setup()
     path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
     file = os.path.join(path, "model.pt")
@@ -329,7 +329,7 @@ def test_a_planted_pickle_is_refused_in_one_line_and_never_run(tmp_path, how, na
     refused, and the marker is never created. The old message was torch's multi-paragraph
     advice, which suggests weights_only=False, or for a protocol-4 pickle an "Unsupported operand 149".
     """
-    from nanotrain.checkpoint import load_checkpoint
+    from nanotrain.checkpoint_format import load_checkpoint
     model, opts = setup()
     path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
     marker = tmp_path / "marker"
@@ -368,7 +368,7 @@ def test_a_meta_json_without_what_its_reader_needs_is_unreadable(tmp_path, edit,
     inference falls back past it like past a torn file. The old code loaded it and failed later with a KeyError
     ('config', 'model_config') or a TypeError in GPTConfig(**...).
     """
-    from nanotrain.checkpoint import load_checkpoint
+    from nanotrain.checkpoint_format import load_checkpoint
     model, opts = setup()
     path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
     file = os.path.join(path, "meta.json")
@@ -382,7 +382,7 @@ def test_a_meta_json_without_what_its_reader_needs_is_unreadable(tmp_path, edit,
 @pytest.mark.parametrize("text, fragment", [("[1, 2]", "holds a JSON list, not an object"),
                                             ('{"step": 1, "wor', "is not valid JSON (")])
 def test_a_meta_json_that_is_not_an_object(tmp_path, text, fragment):
-    from nanotrain.checkpoint import load_checkpoint
+    from nanotrain.checkpoint_format import load_checkpoint
     model, opts = setup()
     path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
     open(os.path.join(path, "meta.json"), "w").write(text)
@@ -403,7 +403,7 @@ def test_model_weights_that_do_not_fit_are_unreadable(tmp_path, state, fragment)
     GPT of the meta's model_config (a tensor missing, one of the wrong shape): a CheckpointError naming model.pt.
     The old code loaded it and build_model failed with load_state_dict's multi-line RuntimeError (missing keys).
     """
-    from nanotrain.checkpoint import load_checkpoint
+    from nanotrain.checkpoint_format import load_checkpoint
     model, opts = setup()
     path = save_checkpoint(str(tmp_path), 1, model, opts, resume_meta(), {})
     file = os.path.join(path, "model.pt")

@@ -11,7 +11,7 @@ import torch
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.tokenizer import Tokenizer
+from nanotrain.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 TEXT = ["hello there, how are you? ok fine. what is 2 + 3? it is 5."] * 20
 
@@ -126,7 +126,7 @@ def test_stops_at_assistant_end_and_bos(tok):
     "ok", and the no-stop continuation shows it really would have gone on. Catches ignoring a stop token, returning
     it, or stopping one token late.
     """
-    s = {n: tok.encode_special(n) for n in tok.get_special_tokens()}
+    s = {n: tok.encode_special(n) for n in SPECIAL_TOKENS}
     ok, more = tok.encode(" ok fine."), tok.encode(" what is 2 + 3? it is 5.")
     seq_a = [s["<|bos|>"], s["<|user_start|>"]] + tok.encode("hello") + [s["<|user_end|>"], s["<|assistant_start|>"]]
     seq_b = [s["<|bos|>"], s["<|user_start|>"]] + tok.encode("how are") + [s["<|user_end|>"], s["<|assistant_start|>"]]
@@ -255,7 +255,7 @@ def tool_model(tok):
     WRONG tool output in its data (see the test below). Returns (s: special token name -> id, prompt_a, prompt_b,
     reply(expr, out) -> the scripted reply's ids, the model).
     """
-    s = {n: tok.encode_special(n) for n in tok.get_special_tokens()}
+    s = {n: tok.encode_special(n) for n in SPECIAL_TOKENS}
     head = [s["<|bos|>"], s["<|user_start|>"]]
     prompt_a = head + tok.encode("hello") + [s["<|user_end|>"], s["<|assistant_start|>"]]
     prompt_b = head + tok.encode("there") + [s["<|user_end|>"], s["<|assistant_start|>"]]

@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import TINY_TRAIN, free_port, run_script
 
-from nanotrain.checkpoint import load_checkpoint, load_optimizers, save_checkpoint
+from nanotrain.checkpoint import load_optimizers, save_checkpoint
+from nanotrain.checkpoint_format import load_checkpoint
 from nanotrain.common import all_reduce_scalar, exit_process
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.optim import setup_optimizers

@@ -119,7 +119,7 @@ def test_limits_and_trust_reach_the_checker(tmp_path, monkeypatch):
     written). A test that prints before check() still passes (the verdict is the last line), and an error line whose
     kept stderr tail starts inside a multi-byte character still comes back. Catches an argument dropped or replaced by its
     default on the way (the prompt, the test, the trust flag, the memory limit of either process), a
-    check_humaneval_detail whose trust defaults to True, and a plain checker that inherits the grader's environment or
+    check_humaneval whose trust defaults to True, and a plain checker that inherits the grader's environment or
     session or runs site (env=None, no start_new_session, -s for -S), a verdict that needs PASSED to be the only
     output, and a strict decode of the checker's stderr tail.
     """
@@ -129,11 +129,11 @@ def test_limits_and_trust_reach_the_checker(tmp_path, monkeypatch):
     program = "import math\n\n\ndef f(*args):\n    return args[0] + 1\n"
     test = "print('checking')\n\n\ndef check(candidate):\n    assert helper(candidate(1)) == 4\n"
     writing = f"open({str(marker)!r}, 'w').write('x')\n{test}"
-    assert check_humaneval(program, PROMPT, test, "f") is True
+    assert check_humaneval(program, PROMPT, test, "f")["passed"] is True
     monkeypatch.setenv("NANOTRAIN_GRADER_SECRET", "x")
     isolated = (f"import os, sys\nassert 'NANOTRAIN_GRADER_SECRET' not in os.environ and 'site' not in sys.modules\n"
                 f"assert os.getsid(0) != {os.getsid(0)}\n{writing}")
-    assert check_humaneval(program, PROMPT, isolated, "f", trusted_test=True) is True and marker.exists()
+    assert check_humaneval(program, PROMPT, isolated, "f", trusted_test=True)["passed"] is True and marker.exists()
     marker.unlink()
     big = "x = bytearray(128 * 2**20)\n"
     jobs = [dict(program=program, prompt=PROMPT, test=writing, entry_point="f"),

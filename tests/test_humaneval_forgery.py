@@ -184,7 +184,7 @@ sys.modules["nanotrain.common"] = common
 from nanotrain.sandbox import execution
 from nanotrain.sandbox import humaneval_check
 jobs = json.load(sys.stdin)
-print(json.dumps([execution.isolation(), [humaneval_check.check_humaneval(**j) for j in jobs]]))
+print(json.dumps([execution.isolation(), [humaneval_check.check_humaneval(**j)["passed"] for j in jobs]]))
 """
 
 

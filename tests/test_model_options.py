@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.attention import KVCache, segment_info
-from nanotrain.checkpoint import load_checkpoint, save_checkpoint
+from nanotrain.checkpoint import save_checkpoint
+from nanotrain.checkpoint_format import load_checkpoint
 from nanotrain.gpt import GPT, GPTConfig
 from nanotrain.optim import setup_optimizers
 from nanotrain.tensor_file import CheckpointError

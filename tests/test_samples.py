@@ -151,7 +151,7 @@ def test_a_test_field_from_a_local_copy_cannot_write_a_file(bench, tmp_path):
     assert not target.exists()
     assert got[0]["passed"] is False and got[1]["passed"] is True
     # a direct call that does not say the test is trusted gets the sandbox as well
-    assert check_humaneval(c["messages"][1]["content"], row["prompt"], row["test"], "add") is False
+    assert check_humaneval(c["messages"][1]["content"], row["prompt"], row["test"], "add")["passed"] is False
     assert not target.exists()
 
 

@@ -314,14 +314,16 @@ def test_resolve_compile_defaults_per_device(monkeypatch):
 def test_open_and_finish_a_run_write_config_metrics_and_report(one_rank_mesh, tmp_path, monkeypatch, capsys):
     """
     open_run_log prints the run directory and the sorted settings, writes config.json and returns the metrics log;
-    finish_run prints the summary and the outputs, closes the log and writes the stage's report section with the wall
-    time since t_start (100 s ago here), after the replica check (under a process group of one rank). A non-master rank writes no config.json and logs nothing. A refused
-    metrics.jsonl (a bad row) stops open_run_log before config.json changes. Catches config written by every rank,
-    written before the metrics check, the wall time measured from the wrong start, the log left open.
+    finish_run prints the summary and the outputs and closes the log, after the replica check (under a process group
+    of one rank); the report section the scripts write next has the wall time since t_start. A non-master rank writes
+    no config.json and logs nothing. A refused metrics.jsonl (a bad row) stops open_run_log before config.json
+    changes. Catches config written by every rank, written before the metrics check, the wall time measured from the
+    wrong start, the log left open.
     """
     import time
 
     from nanotrain.errors import UserError
+    from nanotrain.report.card import write_section_or_warn
     from nanotrain.run import finish_run, open_run_log
 
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
@@ -332,7 +334,10 @@ def test_open_and_finish_a_run_write_config_metrics_and_report(one_rank_mesh, tm
     assert f"Run directory: {run_dir}\n" in out and 'Config: {"a": 1, "b": 2}\n' in out
     assert json.loads((run_dir / "config.json").read_text()) == {"a": 1, "b": 2}
     metrics.log(step=1, loss=3.0, dt=0.5, tok_per_sec=10.0, mfu=0.1)
-    finish_run(torch.nn.Linear(2, 2), str(run_dir), "base", metrics, time.time() - 100, "Done: 1 step")
+    t_start = time.time() - 100
+    finish_run(torch.nn.Linear(2, 2), str(run_dir), metrics, "Done: 1 step")
+    # then, as every training script does, the stage's report section with the wall time since t_start (100 s ago)
+    write_section_or_warn("r1", "base", str(run_dir), {"wall_time_s": time.time() - t_start})
     out = capsys.readouterr().out
     assert "Done: 1 step\n" in out and f"Outputs: {run_dir} (base dir {tmp_path})" in out and "Report card: " in out
     assert "Replica check: parameters identical on all 1 ranks" in out  # (one gloo rank: the check runs)
@@ -442,3 +447,24 @@ def test_grad_accum_steps_bounds_and_suggestions():
     with pytest.raises(UserError) as e:
         grad_accum_steps_for(4096, 20, 256, 1)
     assert str(e.value).endswith("--device_batch_size in [4, 8, 16] (divisors of 4096 / (256 * 1) = 16)")
+
+
+def test_evaluate_bpb_says_its_eta_once_without_changing_the_result():
+    """
+    evaluate_bpb(log_eta=print) calls it exactly once, after the second of 5 batches ("3 of 5 batches left"), and
+    returns the same bpb as without it; with 2 batches it says nothing (no second batch to time after the first).
+    Catches an ETA printed per batch, timed from the first batch (which may compile), or one that changes the sums.
+    """
+    from nanotrain.loss_eval import evaluate_bpb
+
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(0)
+    rows = [(torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 16), generator=gen))
+            for _ in range(5)]
+    token_bytes = torch.ones(64, dtype=torch.int64)
+    said = []
+    with_eta = evaluate_bpb(model, iter(rows), 5, token_bytes, log_eta=said.append)
+    assert len(said) == 1 and said[0].startswith("val: 3 of 5 batches left, ETA ") and said[0].endswith(" s")
+    assert with_eta == evaluate_bpb(model, iter(rows), 5, token_bytes)
+    evaluate_bpb(model, iter(rows), 2, token_bytes, log_eta=said.append)
+    assert len(said) == 1

@@ -38,15 +38,10 @@ def _dist():
 # ----------------------------------------------------------------------------- grading
 
 def grade_replies(conversations, replies):
-    """list[bool]: each reply (str) graded against its conversation by the conversation's task (its Task's
-    grade_batch, one call per task, so HumanEval's programs run in parallel); a conversation of no known task is
-    graded on the last line."""
-    return [d["passed"] for d in grade_replies_detail(conversations, replies)]
-
-
-def grade_replies_detail(conversations, replies):
-    """grade_replies with each verdict's detail: a list of {"passed": bool, ...}; HumanEval's (its task's
-    grade_detail) also carry the sandbox "outcome" and the error's line ("error")."""
+    """Each reply (str) graded against its conversation by the conversation's task (its Task's grade_batch, one call
+    per task, so HumanEval's programs run in parallel; a conversation of no known task is graded on the last line):
+    a list of {"passed": bool, ...}; HumanEval's (its task's grade_detail) also carry the sandbox "outcome" and the
+    error's line ("error")."""
     out = [None] * len(replies)
     by_task = {}
     for i, c in enumerate(conversations):
@@ -169,7 +164,7 @@ def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, nu
             outs = engine.generate(prompts, max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed,
                                    max_batch=max_batch, tool=tool)
         replies = [tokenizer.decode(o) for o in outs]
-        details = grade_replies_detail([c for c in mine for _ in range(num_samples)], replies)
+        details = grade_replies([c for c in mine for _ in range(num_samples)], replies)
         for p, (i, c) in enumerate(zip(ids, mine)):
             span = slice(p * num_samples, (p + 1) * num_samples)
             mine_replies, mine_details = replies[span], details[span]

@@ -15,9 +15,9 @@ import os
 
 from nanotrain.checkpoint import load_model
 from nanotrain.common import atomic_write_json, print0
+from nanotrain.downloads import check_reachable  # the same fail-fast TCP check as every hub loader
 from nanotrain.errors import UserError
 from nanotrain.export.hf import export_hf, require_transformers
-from nanotrain.hub import check_reachable  # the same fail-fast TCP check as every hub loader
 
 LM_EVAL_HINT = 'pip install "lm_eval[hf]==0.4.13" (installs without touching the pins of requirements.txt)'
 

@@ -336,11 +336,15 @@ def write_section_or_warn(run_name, stage, run_dir, extra=None):
     write_section for a script whose own work is done and saved (a finished training stage, chat_eval's results): a
     report card that cannot be written (an OSError such as a full or read-only disk, or a UserError) is one
     `warning: ...` line on stderr naming the problem and how to write the card later, and None is returned, so the
-    script still succeeds; write_section leaves no temporary file. Returns the report path otherwise (None on ranks
-    other than 0).
+    script still succeeds; write_section leaves no temporary file. Otherwise prints `Report card: <path>` (rank 0)
+    and returns the report path (None on ranks other than 0). The training scripts call it last, after
+    nanotrain.run.finish_run, with {"wall_time_s": the stage's wall time}.
     """
     try:
-        return write_section(run_name, stage, run_dir, extra)
+        report = write_section(run_name, stage, run_dir, extra)
+        if report:
+            print(f"Report card: {report}", flush=True)
+        return report
     except (OSError, UserError) as exc:
         why = os_error_line(exc) or (str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}")
         print(f"warning: the report card was not written: {why}; the {stage} stage itself is complete and saved "

@@ -180,12 +180,16 @@ def _outcome(result):
     return "failed"
 
 
-def check_humaneval_detail(program, prompt, test, entry_point, timeout_s=5.0, memory_bytes=256 * 2**20,
-                           trusted_test=False):
+def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_bytes=256 * 2**20, trusted_test=False):
     """
-    check_humaneval with the reason: {"passed": bool, "outcome": "passed" | "failed" | "timed out" | "killed for
-    memory", "error": the exception line of the checker, or of the program when the checker only saw it end, at
-    most ERROR_CHARS characters, "" when it passed}. The program's output itself is never kept: a program that prints
+    Whether `program` (str: the prompt's imports and the reply's code, nanochat's program without its test) passes
+    the HumanEval test `test` (str defining check(candidate)) for the function `entry_point`, `prompt` (str) being
+    the problem's prompt (run on the checker's side for the helpers the test uses), with the reason. The program runs
+    in run_program's sandbox with timeout_s seconds and memory_bytes of address space; the test in a checker process
+    that gets only literals from it (see the module docstring). A program that fails, hangs, crashes or answers
+    something that is not a literal does not pass. Thread-safe. Returns {"passed": bool, "outcome": "passed" |
+    "failed" | "timed out" | "killed for memory", "error": the exception line of the checker, or of the program when
+    the checker only saw it end, at most ERROR_CHARS characters, "" when it passed}. The program's output itself is never kept: a program that prints
     10 MB leaves at most one short line here. trusted_test: the test and prompt are the verified pinned set
     (nanotrain.tasks.benchmarks checks their sha256) and run in a plain process with the grader's rights; otherwise (the
     hub's current revision, a local copy: data, not code this project vouches for) the checker runs in run_program's
@@ -257,20 +261,6 @@ def check_humaneval_detail(program, prompt, test, entry_point, timeout_s=5.0, me
     return {"passed": False, "outcome": _outcome(program_result) if failed else "failed", "error": error}
 
 
-def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_bytes=256 * 2**20, trusted_test=False):
-    """
-    Whether `program` (str: the prompt's imports and the reply's code, nanochat's program without its test) passes
-    the HumanEval test `test` (str defining check(candidate)) for the function `entry_point`, `prompt` (str) being
-    the problem's prompt (run on the checker's side for the helpers the test uses). The program runs in
-    run_program's sandbox with timeout_s seconds and memory_bytes of address space; the test in a checker process
-    that gets only literals from it (see the module docstring), a plain process only when trusted_test (the verified
-    pinned set), else sandboxed as well (check_humaneval_detail). Returns a bool; a program that fails, hangs,
-    crashes or answers something that is not a literal gives False. Raises what run_program raises (UserError when
-    there is no isolation and unsafe code is not allowed). Thread-safe.
-    """
-    return check_humaneval_detail(program, prompt, test, entry_point, timeout_s, memory_bytes, trusted_test)["passed"]
-
-
 def hide_answer_key():
     """As root (programs run under a throwaway uid), make the base directory (which holds the benchmarks' answers)
     0700 when a user with no rights of its own could enter it, saying so in one line; else nothing (bubblewrap does
@@ -286,11 +276,11 @@ def hide_answer_key():
 
 
 def check_all(jobs, timeout_s=5.0, memory_bytes=256 * 2**20, workers=4):
-    """[dict(program, prompt, test, entry_point[, trusted_test])] -> list of check_humaneval_detail's dicts
+    """[dict(program, prompt, test, entry_point[, trusted_test])] -> list of check_humaneval's dicts
     ({"passed", "outcome", "error"}), `workers` at a time, after hide_answer_key()."""
     if not jobs:
         return []
     hide_answer_key()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda j: check_humaneval_detail(**j, timeout_s=timeout_s, memory_bytes=memory_bytes),
+        return list(pool.map(lambda j: check_humaneval(**j, timeout_s=timeout_s, memory_bytes=memory_bytes),
                              jobs))

@@ -15,8 +15,8 @@ import numpy as np
 
 from nanotrain.common import get_base_dir, print0
 from nanotrain.conversation import text_of
+from nanotrain.downloads import unreachable_reason
 from nanotrain.errors import UserError
-from nanotrain.hub import unreachable_reason
 from nanotrain.tasks.benchmarks import pinned_rows
 
 SHUFFLE_SEED = 42  # nanochat's: datasets.Dataset.shuffle(seed=42) of every benchmark's test split

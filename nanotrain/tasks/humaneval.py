@@ -61,7 +61,7 @@ def grade_humaneval(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL
 
 def grade_humaneval_detail(pairs, timeout_s=HUMANEVAL_TIMEOUT_S, memory_bytes=HUMANEVAL_MEMORY, workers=SANDBOX_WORKERS):
     """
-    [(conversation, completion)] -> list of {"passed", "outcome", "error"} (humaneval_check.check_humaneval_detail):
+    [(conversation, completion)] -> list of {"passed", "outcome", "error"} (humaneval_check.check_humaneval):
     each reply graded by nanotrain.sandbox.humaneval_check (`workers` at a time):
     humaneval_program's text without its test (the prompt's imports and the reply's code) runs in
     nanotrain.sandbox.execution's sandbox, and the test's check(entry_point) in a trusted process that calls the reply's

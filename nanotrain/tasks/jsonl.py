@@ -11,8 +11,8 @@ import os
 
 from nanotrain.common import get_base_dir
 from nanotrain.conversation import validate_conversation
+from nanotrain.downloads import unreachable_reason
 from nanotrain.errors import UserError
-from nanotrain.hub import unreachable_reason
 from nanotrain.tasks.common import Task
 
 HOLDOUT_EVERY = 20  # JSONL / HF sources without their own validation split: every 20th row (0, 20, 40, ...) is val
