@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from nanotrain.errors import UserError
+
 try:  # optional: FlashAttention-2 (pip install flash-attn); SDPA is used whenever it is absent
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
@@ -97,6 +99,7 @@ class KVCache:
       lengths[r].., each at rotary position lengths[r] + t, attending to its own slots 0..lengths[r] + t only
       (segments() gives those positions and masks); lengths and pos advance by T after the last layer. Slots past a
       row's length hold stale values, always masked out.
+    A sliding-window layer's keys are kept here like any other's: attention() masks those outside its window.
     """
 
     def __init__(self, batch_size, n_kv_head, head_dim, n_layer, max_len, device, dtype):
@@ -173,6 +176,38 @@ class KVCache:
         return self.k_cache[layer_idx, :, :, :t1], self.v_cache[layer_idx, :, :, :t1]
 
 
+def default_short_window(max_seq_len):
+    """The S layers' default window: a quarter of max_seq_len rounded up to a multiple of 128 (the kernels' tile),
+    at least 128, as nanochat: 512 at max_seq_len 2048, 128 at 256. Returns an int."""
+    return max(128, -(-(max_seq_len // 4) // 128) * 128)
+
+
+def resolve_short_window(config):
+    """GPTConfig.__post_init__: a short_window of None becomes default_short_window(config.max_seq_len), so that the
+    config (and a checkpoint's copy of it) keeps the window whatever max_seq_len it is later rebuilt with."""
+    if config.short_window is None:
+        config.short_window = default_short_window(config.max_seq_len)
+
+
+def attention_windows(config):
+    """
+    The attention window of every layer of `config` (a GPTConfig): a list of n_layer entries, None for a full causal
+    layer ("L") and config.short_window for a sliding-window one ("S": the query at position i attends keys
+    i-short_window..i); window_pattern is tiled over the layers (SSSL at depth 6: S S S L S L) and the last layer is
+    always full, as in nanochat (karpathy/nanochat gpt.py, window_pattern). Raises UserError for a pattern that is
+    empty or has other letters than S and L, or a short_window < 1.
+    """
+    pattern = config.window_pattern
+    if not isinstance(pattern, str) or not pattern or set(pattern) - {"S", "L"}:
+        raise UserError(f"window_pattern={pattern!r}: expected a non-empty string of S (short window) and L (full), "
+                        f"e.g. SSSL")
+    if not isinstance(config.short_window, int) or config.short_window < 1:
+        raise UserError(f"short_window={config.short_window!r}: expected an int >= 1 (tokens before the query)")
+    windows = [config.short_window if pattern[i % len(pattern)] == "S" else None for i in range(config.n_layer)]
+    windows[-1] = None
+    return windows
+
+
 def window_mask(q_pos, Tk, window=None):
     """
     The boolean attention mask of queries at key positions q_pos (int64, any shape (..., Tq)) over keys 0..Tk-1:
@@ -219,16 +254,18 @@ def windowed_attention(q, k, v, window, backend=None):
     Sliding-window causal attention without a KV cache: q (B, n_head, T, D), k, v (B, n_kv_head, T, D) (SDPA's
     layout; GQA when n_kv_head < n_head); the query at position i attends keys i-window..i. backend: "flex"
     (flex_attention with the cached block mask; on the CPU forward only, unfused: torch has no CPU backward for it),
-    "sdpa" (SDPA with the cached explicit mask), or None: flex where use_flex(q), else sdpa. Returns y (B, n_head, T, D)
-    in q's dtype. Raises ValueError for another backend.
+    "sdpa" (SDPA with the cached explicit mask), or None: flex where use_flex(q), else sdpa. Under FakeTensorMode
+    (plan mode, the batch-size probes) flex runs its fake kernel, whose saved tensors are the fused kernel's (q, k,
+    v, out, logsumexp); the sdpa path also keeps SDPA's additive copy of the mask per call (T x T). Returns y
+    (B, n_head, T, D) in q's dtype. Raises ValueError for another backend.
     """
     T, gqa = q.size(2), k.size(1) != q.size(1)
     backend = backend or ("flex" if use_flex(q) else "sdpa")
     if backend == "flex":
         block_mask = _cached(("flex", T, window, q.device), lambda: create_block_mask(
             _window_mod(window), None, None, T, T, device=q.device), q)
-        flex = flex_attention
-        if q.is_cuda and not torch.compiler.is_compiling():  # an uncompiled model: flex_attention compiled alone
+        flex = flex_attention  # inside torch.compile (traced into the model's graph), on the CPU, or fake tensors
+        if q.is_cuda and not torch.compiler.is_compiling() and not is_fake(q):  # uncompiled: flex compiled alone
             global _compiled_flex
             if _compiled_flex is None:
                 _compiled_flex = torch.compile(flex_attention, dynamic=False)

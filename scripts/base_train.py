@@ -286,8 +286,8 @@ def main():
     windows = attention_windows(model_config)
     if any(w is not None for w in windows):  # the windows' backend: nanotrain/attention.py
         short = [i for i, w in enumerate(windows) if w is not None]
-        print0(f"Attention windows: pattern {window_pattern}, layers {short} see keys i-{model_config.short_window}..i, "
-               f"the others full causal")
+        print0(f"Attention windows: pattern {window_pattern}, layers {short} see keys i-{model_config.short_window}"
+               f"..i, the others full causal")
     print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
     print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "
