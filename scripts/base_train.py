@@ -17,6 +17,7 @@ import time
 import torch
 
 from nanotrain import run, training
+from nanotrain.attention import attention_windows
 from nanotrain.auto_batch_size.builders import gpt_builder
 from nanotrain.auto_batch_size.model_memory import check_model_fits
 from nanotrain.auto_batch_size.policy import discover_with_policy
@@ -43,7 +44,7 @@ from nanotrain.evaluation.core_bundle import ensure_bundle
 from nanotrain.evaluation.core_eval import evaluate_core, write_results
 from nanotrain.evaluation.gold_bpb import ensure_rows, evaluate_gold_bpb
 from nanotrain.fsdp import gathered_root, shard_model
-from nanotrain.gpt import GPT, attention_windows, build_model, config_from_depth, policy_name
+from nanotrain.gpt import GPT, build_model, config_from_depth, policy_name
 from nanotrain.loss_eval import evaluate_bpb
 from nanotrain.optim import adamw_lr_scale, compile_optimizer_step, setup_optimizers
 from nanotrain.tokenizer import get_token_bytes, get_tokenizer

@@ -17,10 +17,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 from nanotrain import attention as attn
-from nanotrain.attention import KVCache, attention, windowed_attention
+from nanotrain.attention import KVCache, attention, attention_windows, default_short_window, windowed_attention
 from nanotrain.engine import Engine
 from nanotrain.errors import UserError
-from nanotrain.gpt import GPT, GPTConfig, attention_windows, config_from_depth, default_short_window
+from nanotrain.gpt import GPT, GPTConfig, config_from_depth
 
 pytestmark = pytest.mark.unit
 
