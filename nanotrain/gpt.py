@@ -16,10 +16,10 @@ with torch's own checkpoint (torch.utils.checkpoint.checkpoint, non-reentrant, s
 FSDP2 and FakeTensorMode). Policies, cheapest in compute first:
 - "none": autograd keeps every activation it needs.
 - "selective": the outputs of the matmuls and of attention (aten mm, addmm, bmm, baddbmm, the SDPA kernels,
-  flash-attn) are kept, everything else of the block (RMSNorm, rotary, QK norm, gates, casts, ReLU^2, residual adds,
-  the value-embedding lookup) is recomputed in backward: create_selective_checkpoint_contexts with a policy function,
-  the "selective activation recomputation" of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models") and torchtitan's op-level SAC. Recomputes no matmul.
+  flash-attn, flex_attention) are kept, everything else of the block (RMSNorm, rotary, QK norm, gates, casts, ReLU^2,
+  residual adds, the value-embedding lookup) is recomputed in backward: create_selective_checkpoint_contexts with a
+  policy function, the "selective activation recomputation" of Korthikanti et al. 2022 ("Reducing Activation
+  Recomputation in Large Transformer Models") and torchtitan's op-level SAC. Recomputes no matmul.
 - "full": only the block's input is kept and the whole block is recomputed in backward (Chen et al. 2016, "Training
   Deep Nets with Sublinear Memory Cost"): ~one extra forward of the blocks per step.
 Loss and gradients are the same under every policy (the model has no dropout, so no RNG state is replayed).
@@ -39,8 +39,10 @@ from nanotrain.attention import (
     KVCache,
     apply_rotary_emb,
     attention,
+    attention_windows,
     compute_dtype,
     flash_attn_varlen_func,
+    resolve_short_window,
     segment_info,
 )
 from nanotrain.errors import UserError
@@ -65,6 +67,9 @@ class GPTConfig:
     x0_lambdas: bool = False  # before every block x <- resid_lambda * x + x0_lambda * x0 (x0: the embedding)
     rotary_base: float = 10000.0  # base of the rotary frequencies
     qk_scale: float = 1.0  # attention logits are qk_scale * q.k / sqrt(head_dim) (q, k RMS-normed)
+    window_pattern: str = "L"  # sliding windows as nanochat's (nanotrain.attention.attention_windows); L: none
+    short_window: int | None = None  # None: default_short_window(max_seq_len), stored resolved (checkpoints keep it)
+    __post_init__ = resolve_short_window  # short_window None -> default_short_window(max_seq_len), kept resolved
 
 
 def has_value_embed(layer_idx, n_layer):
@@ -75,8 +80,8 @@ def has_value_embed(layer_idx, n_layer):
 def config_from_depth(depth, vocab_size, max_seq_len, **options):
     """
     nanochat's depth -> size rule: model_dim = 64 * depth, head_dim 128 where possible (n_head = ceil(model_dim/128),
-    reduced until it divides model_dim), n_kv_head = n_head. options: GPTConfig's architecture options (value_embeds,
-    smear, backout, x0_lambdas, rotary_base, qk_scale). Returns a GPTConfig. Raises UserError if depth < 1.
+    reduced until it divides model_dim), n_kv_head = n_head. options: GPTConfig's fields after model_dim (value_embeds
+    to short_window). Returns a GPTConfig. Raises UserError if depth < 1.
     """
     if depth < 1:
         raise UserError(f"--depth={depth}: expected an integer >= 1")
@@ -98,7 +103,7 @@ class CausalSelfAttention(nn.Module):
         self.c_k = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(d, d, bias=False)
-        self.qk_scale = config.qk_scale
+        self.qk_scale, self.window = config.qk_scale, attention_windows(config)[layer_idx]  # window None: full causal
         # value embedding gate: one per kv head, from the block input's first channels
         self.ve_gate = (nn.Linear(min(GATE_CHANNELS, d), self.n_kv_head, bias=False)
                         if config.value_embeds and has_value_embed(layer_idx, config.n_layer) else None)
@@ -115,7 +120,7 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary_emb(q, *cos_sin), apply_rotary_emb(k, *cos_sin)
         q, k = norm(q).to(v.dtype), norm(k).to(v.dtype)  # QK norm (autocast may have upcast the norm)
         q = q * self.qk_scale  # sharper attention: the logits' scale on top of 1/sqrt(head_dim)
-        y = attention(q, k, v, self.layer_idx, kv_cache, segments)
+        y = attention(q, k, v, self.layer_idx, kv_cache, segments, self.window)
         return self.c_proj(y.contiguous().view(B, T, -1))
 
 
@@ -155,8 +160,8 @@ class GPT(nn.Module):
     options are None. Non-persistent buffers cos, sin: (1, 10*max_seq_len, 1, head_dim/2) fp32.
 
     activation_checkpointing (attribute, set before DDP / torch.compile): "none" (default), "selective" or "full",
-    for every block (nanotrain.gpt) of a training forward with grad and no KV
-    cache; same loss and gradients, less memory, more compute (not in estimate_flops). Not a config field.
+    for every block of a training forward with grad and no KV cache; same loss and gradients, less memory, more
+    compute (not in estimate_flops). Not a config field.
     """
 
     def __init__(self, config):
@@ -254,11 +259,12 @@ class GPT(nn.Module):
         """
         Training FLOPs per token (float), PaLM appendix B (Chowdhery et al. 2022) as in nanochat:
         6 * (weights of every nn.Linear: the matmuls; embeddings are lookups and the lambdas elementwise)
-        + 12 * n_layer * n_head * head_dim * max_seq_len (attention scores and values).
+        + 12 * n_head * head_dim * (sum over the layers of min(window, max_seq_len), max_seq_len for a full layer).
         """
         c = self.config
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return float(6 * matmul_params + 12 * c.n_layer * c.n_head * self.head_dim * c.max_seq_len)
+        keys = sum(c.max_seq_len if w is None else min(w, c.max_seq_len) for w in attention_windows(c))
+        return float(6 * matmul_params + 12 * c.n_head * self.head_dim * keys)
 
     def smear(self, x, kv_cache=None, segments=None):
         """
@@ -448,8 +454,9 @@ def policy_name(value, name="activation_checkpointing", allow_auto=False):
 
 def _keep_matmul_outputs(ctx, op, *args, **kwargs):
     """The "selective" policy function (torch.utils.checkpoint's policy_fn signature): keep the outputs of
-    SAVED_ATEN_OPS and of flash-attn's ops, recompute every other op."""
-    keep = op.namespace == "flash_attn" or (op.namespace == "aten" and op.overloadpacket.__name__ in SAVED_ATEN_OPS)
+    SAVED_ATEN_OPS, flash-attn's ops and higher-order ops (a block's only one: flex_attention), recompute the rest."""
+    keep = op.namespace in ("flash_attn", "higher_order") or (
+        op.namespace == "aten" and op.overloadpacket.__name__ in SAVED_ATEN_OPS)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 

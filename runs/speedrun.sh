@@ -7,9 +7,8 @@
 # field's mixtures (SmolTalk, MMLU auxiliary train, GSM8K, ARC), the chat benchmarks and ChatCORE, RL on GSM8K, the
 # report card. Needs the hub (the shards and the training mixtures are downloaded on first use).
 #   bash runs/speedrun.sh
-# What the record uses that nanotrain does not have: FP8 matmuls (torchao's float8 training, --fp8), sliding-window
-# attention on three of every four layers (--window-pattern=SSSL), and Flash Attention 3 kernels; nanotrain trains in
-# bf16 with full causal attention (flash-attn 2 or SDPA), so the same shape takes longer per step here.
+# What the record uses that nanotrain does not have: FP8 matmuls (torchao's float8 training, --fp8) and Flash
+# Attention 3 kernels; nanotrain trains in bf16 (flash-attn 2 or SDPA), so the same shape takes longer per step here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOTRAIN_BASE_DIR="${NANOTRAIN_BASE_DIR:-$HOME/.cache/nanotrain}"
@@ -21,6 +20,10 @@ NPROC="${NPROC:-8}"
 python scripts/tok_train.py --data=fineweb-edu --vocab_size=32768 --max_chars=2000000000
 
 # 2. pretraining
+# Attention windows: full causal on every layer (--window_pattern=L, the default). The record trains SSSL (a 512-token
+# window on three of every four layers); nanotrain has it (--window_pattern=SSSL: flash-attn 2's window or
+# flex_attention on CUDA), but it stays off here until the GPU check has measured its tokens/s on a card.
+echo "speedrun: attention windows L (full causal on every layer); --window_pattern=SSSL is not yet measured on a GPU"
 torchrun --standalone --nproc_per_node=$NPROC scripts/base_train.py --data=fineweb-edu --depth=24 --run_name=d24 \
     --target_param_data_ratio=8 --auto_batch_size=True
 

@@ -15,7 +15,11 @@ and names the one base_train's auto would take (nanotrain.auto_batch_size.policy
 Uses fake CUDA tensors when torch can run a CUDA device here. A CPU-only torch build cannot record fake CUDA tensors
 for autograd (InputMetadata asks for a CUDA device guard, which such a build lacks, and the process aborts with
 "PyTorch is not linked with support for cuda devices"), so there it measures fake CPU tensors in bf16 (CPU autocast;
-the CPU flash-attention kernel, whose memory matches CUDA's flash attention) and says so.
+the CPU flash-attention kernel, whose memory matches CUDA's flash attention) and says so. Sliding windows
+(--window_pattern=SSSL) are measured on the backend training takes: with fake CUDA tensors flex_attention (its saved
+tensors: q, k, v, the output and the logsumexp, as the fused kernel keeps); with fake CPU tensors SDPA with the
+explicit window mask on the same CPU flash kernel, which also keeps one T x T additive mask per windowed layer
+(bf16 at T = 2048: 8 MiB each, 72 MiB at depth 12): a little more than flex_attention keeps.
 """
 
 import nanotrain.interrupt  # noqa: F401 (first, before torch: from here on a Ctrl-C is one line and exit 130)
@@ -43,7 +47,9 @@ device_memory_gb = 80.0  # memory of the CUDA device to plan for, in GiB
 margin = 0.85  # fraction of the device memory the training step may use
 world_size = 1  # number of ranks (adds DDP's gradient buckets when > 1)
 activation_checkpointing = "none"  # none|selective|full|auto; auto: every policy and its pick
-config = configure(globals(), none_types={"depth": (int,)})
+window_pattern = "L"  # attention windows tiled over the layers, the last always L: L full, S short (e.g. SSSL)
+short_window = None  # an S layer's query at i attends keys i-short_window..i; None: max_seq_len/4 up to 128s
+config = configure(globals(), none_types={"depth": (int,), "short_window": (int,)})
 
 
 def main():
@@ -62,7 +68,8 @@ def main():
           f"{device_memory_gb:g} GiB; a size fits if its peak <= {margin:g} x {device_memory_gb:g} = "
           f"{limit / GiB:.4g} GiB. max_seq_len={max_seq_len}, vocab_size={vocab_size}, total_batch_size="
           f"{total_batch_size}, world_size={world_size}, bf16 autocast, uncompiled step "
-          f"(2 micro-steps + optimizer step + 1 micro-step), activation checkpointing {policy}.")
+          f"(2 micro-steps + optimizer step + 1 micro-step), activation checkpointing {policy}"
+          f"{f', attention windows {window_pattern}' if window_pattern != 'L' else ''}.")
     if fake_device == "cpu":
         print("Measured with fake CPU tensors in bf16: this torch is CPU-only and cannot record fake CUDA tensors for "
               "autograd. Live tensor bytes only: the CUDA caching allocator, the CUDA context (~0.5 GiB), NCCL buffers "
@@ -74,7 +81,8 @@ def main():
     print(f"{'depth':>5} | {'policy':>9} | {'params':>14} | {'device_batch_size':>17} | {'est. peak GiB':>13} | fits")
     t0 = time.perf_counter()
     for d in plan_depths:
-        model_config = config_from_depth(d, vocab_size, max_seq_len)
+        model_config = config_from_depth(d, vocab_size, max_seq_len, window_pattern=window_pattern,
+                                         short_window=short_window)
         with torch.device("meta"):
             num_params = GPT(model_config).num_params()
         found = {}

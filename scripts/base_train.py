@@ -17,6 +17,7 @@ import time
 import torch
 
 from nanotrain import run, training
+from nanotrain.attention import attention_windows
 from nanotrain.auto_batch_size.builders import gpt_builder
 from nanotrain.auto_batch_size.model_memory import check_model_fits
 from nanotrain.auto_batch_size.policy import discover_with_policy
@@ -64,6 +65,8 @@ backout = False  # subtract a learned share of the middle block's output before 
 x0_lambdas = False  # learned per-block scalars mixing the embedding back in: x <- a_i * x + b_i * x0
 rotary_base = 10000.0  # > 0: base of the rotary position frequencies
 qk_scale = 1.0  # > 0: scale of the attention logits on top of 1/sqrt(head_dim)
+window_pattern = "L"  # attention windows tiled over the layers, the last always L: L full, S short (e.g. SSSL)
+short_window = None  # >= 1: an S layer's query at i attends keys i-short_window..i; None: max_seq_len/4 up to 128s
 # batch
 device_batch_size = None  # >= 1: rows per micro-batch per device; None: discovered (auto_batch_size) or 32
 total_batch_size = -1  # >= 1: tokens per optimizer step, all ranks and micro-batches together; -1: from the horizon
@@ -118,11 +121,12 @@ fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torc
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
                                           "muon_weight_decay": (float,), "final_momentum": (float,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,),
-                                          "eval_tokens": (int,)})
+                                          "eval_tokens": (int,), "short_window": (int,)})
 # -----------------------------------------------------------------------------
 
-RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "row_packing", "value_embeds", "smear",
-               "backout", "x0_lambdas", "rotary_base", "qk_scale")  # device_batch_size may change: same tokens
+RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "row_packing", "value_embeds", "smear", "backout",
+               "x0_lambdas", "rotary_base", "qk_scale", "window_pattern", "short_window")  # device_batch_size may
+# change between a run and its resume: the same tokens
 SAMPLE_PROMPTS = ["The capital of France is", "A list in Python is", "The opposite of hot is", "def add(a, b):"]
 
 
@@ -148,7 +152,8 @@ def main():
     token_bytes = get_token_bytes(device)
     vocab_size = tokenizer.get_vocab_size()
     model_config = config_from_depth(depth, vocab_size, max_seq_len, value_embeds=value_embeds, smear=smear,
-                                     backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale)
+                                     backout=backout, x0_lambdas=x0_lambdas, rotary_base=rotary_base, qk_scale=qk_scale,
+                                     window_pattern=window_pattern, short_window=short_window)
 
     check_model_fits(model_config, device, f"--depth={depth}", world_size if use_fsdp else 1)  # before any memory
     # ------------------------------------------------------------------------- horizon, total batch, lr and wd transfer
@@ -283,6 +288,11 @@ def main():
            f"vocab {vocab_size:,}, params {num_params:,}, FLOPs/token {flops_per_token:.3e}")
     print0(f"AdamW lrs scaled by (model_dim/768)**-0.5 = {adamw_lr_scale(model_config.model_dim):.6f}; "
            f"Muon weight decay {muon_wd:.4f}")
+    windows = attention_windows(model_config)
+    if any(w is not None for w in windows):  # the windows' backend: nanotrain/attention.py
+        short = [i for i, w in enumerate(windows) if w is not None]
+        print0(f"Attention windows: pattern {window_pattern}, layers {short} see keys i-{model_config.short_window}"
+               f"..i, the others full causal")
     print0(f"Tokens / micro-batch / rank: {device_batch_size} x {max_seq_len} = {device_batch_size * max_seq_len:,}")
     print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "

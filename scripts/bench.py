@@ -97,18 +97,22 @@ backout = False  # subtract a learned share of the middle block's output before 
 x0_lambdas = False  # learned per-block scalars mixing the embedding back in: x <- a_i * x + b_i * x0
 rotary_base = 10000.0  # base of the rotary position frequencies
 qk_scale = 1.0  # scale of the attention logits on top of 1/sqrt(head_dim)
+window_pattern = "L"  # attention windows tiled over the layers, the last always L: L full, S short (e.g. SSSL)
+short_window = None  # an S layer's query at i attends keys i-short_window..i; None: max_seq_len/4 up to 128s
 weight_decay = 0.01  # AdamW weight decay (embeddings, lm_head; decays with the lr)
 embedding_beta2 = 0.995  # AdamW beta2 of the token and value embeddings
 unembedding_beta2 = 0.96  # AdamW beta2 of the lm_head
 muon_weight_decay = 0.28  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
 muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
-config = configure(globals(), none_types={"muon_weight_decay": (float,), "compile_optimizer": (bool,)})
+config = configure(globals(), none_types={"muon_weight_decay": (float,), "compile_optimizer": (bool,),
+                                          "short_window": (int,)})
 # -----------------------------------------------------------------------------
 
 
 
-MODEL_OPTIONS = ("value_embeds", "smear", "backout", "x0_lambdas", "rotary_base", "qk_scale")  # GPTConfig's
+MODEL_OPTIONS = ("value_embeds", "smear", "backout", "x0_lambdas", "rotary_base", "qk_scale", "window_pattern",
+                 "short_window")  # GPTConfig's
 
 
 def percentile(xs, q):

@@ -146,7 +146,8 @@ def test_bench_times_the_model_and_optimizers_base_train_trains():
     optimizer option missing from bench.py (it could not be timed on and off with --vs).
     """
     bench, base = script_defaults("bench.py"), script_defaults("base_train.py")
-    options = {"value_embeds", "smear", "backout", "x0_lambdas", "rotary_base", "qk_scale", "weight_decay",
+    options = {"value_embeds", "smear", "backout", "x0_lambdas", "rotary_base", "qk_scale", "window_pattern",
+               "short_window", "weight_decay",
                "embedding_beta2", "unembedding_beta2", "muon_weight_decay", "polar_express", "muon_beta2", "ns_dtype",
                "dtype", "row_packing", "activation_checkpointing"}
     assert options <= set(bench) & set(base)

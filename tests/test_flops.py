@@ -82,3 +82,21 @@ def test_attention_term_grows_with_sequence_length():
         bmm = sum(v for k, v in by_op.items() if "bmm" in str(k))
         assert bmm / (2 * T) == want
         assert model.estimate_flops() - 6 * 393_216 - 6 * 38_400 == want  # 6 x (blocks + lm_head weights) + attention
+
+
+def test_sliding_windows_count_min_window_T_keys_per_layer():
+    """
+    With sliding windows the attention term counts min(window, T) keys on each windowed layer and T on the full ones,
+    as nanochat's estimate_flops does. Depth 4 (2 heads of 128), T = 256: a full layer's term is 12 * 2 * 128 * 256 =
+    786,432 per token and a layer with window 64 has 196,608; SSSL (the last layer always full) is 3 * 196,608 +
+    786,432 = 1,376,256 against 4 * 786,432 = 3,145,728 for L, so the estimate drops by 1,769,472; a window of 300
+    (past T) counts T: no drop. The matmul term does not move. Catches windows ignored, the window counted as W + 1
+    keys (1,769,472 - 3 * 3,072 = 1,760,256), the last layer windowed too (2,359,296) and min() left out (W = 300 would
+    add FLOPs).
+    """
+    def flops(**window):
+        with torch.device("meta"):
+            return GPT(config_from_depth(4, 300, 256, **window)).estimate_flops()
+    full = flops()
+    assert full - flops(window_pattern="SSSL", short_window=64) == 1_769_472
+    assert flops(window_pattern="SSSL", short_window=300) == full == flops(window_pattern="S", short_window=256)

@@ -55,11 +55,11 @@ def tok(shared_base_dir):
     return Tokenizer.from_directory(str(shared_base_dir / "tokenizer"))
 
 
-@pytest.fixture(scope="module")
-def model(tok):
-    """The GPT of config(), trained 40 full-batch AdamW steps (lr 1e-2, seed 0) on the sentences, in eval mode."""
+def trained(tok, cfg):
+    """A GPT of `cfg` trained 40 full-batch AdamW steps (lr 1e-2, seed 0) on the sentences (rows of 47 tokens), in
+    eval mode."""
     torch.manual_seed(0)
-    m = GPT(config(tok.get_vocab_size()))
+    m = GPT(cfg)
     m.init_weights()
     rows = [tok.encode("".join(SENTENCES[i:] + SENTENCES[:i]), prepend="<|bos|>")[:48] for i in range(len(SENTENCES))]
     data = torch.tensor(rows)
@@ -70,6 +70,22 @@ def model(tok):
         loss.backward()
         opt.step()
     return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    """The GPT of config(), trained (see trained())."""
+    return trained(tok, config(tok.get_vocab_size()))
+
+
+@pytest.fixture(scope="module")
+def windowed(tok, tmp_path_factory):
+    """(directory, the GPT): config() at depth 4 with sliding windows SSSL of 8 keys back (layers 0-2 see keys
+    i-8..i, layer 3 all), trained (see trained()) and exported."""
+    m = trained(tok, config(tok.get_vocab_size(), n_layer=4, window_pattern="SSSL", short_window=8))
+    path = str(tmp_path_factory.mktemp("hf_windowed") / "export")
+    export_hf(m, tok, path)
+    return path, m
 
 
 def load(path, **kwargs):
@@ -233,10 +249,57 @@ def test_greedy_generate_equals_engine(exported, model, tok):
     assert [cut(r) for r in out[:, n:].tolist()] == want
 
 
+@pytest.mark.unit
+def test_sliding_windows_equal_the_project(windowed, tok):
+    """
+    A GPT with sliding windows (SSSL at depth 4, short_window 8: layers 0-2 see keys i-8..i) exports as transformers'
+    own sliding layers, config.json's layer_types [sliding_attention x 3, full_attention] and sliding_window 9 (the
+    number of keys, W + 1), and its fp32 logits equal the GPT's to 1e-5 under eager, sdpa and paged|sdpa (the full
+    forward of 40-token rows, cached steps, DynamicCache keeping the sliding layers' last 8 keys, and a left-padded
+    batch); transformers' greedy generate gives Engine's tokens, one prompt at a time and as a left-padded batch.
+    Catches the windows lost on the way (every layer full), the conventions off by one (sliding_window = W: a key
+    fewer) and the last layer windowed too: each moves the logits by more than 1e-3.
+    """
+    path, model = windowed
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    assert saved["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"] and saved["sliding_window"] == 9
+    idx = rows_for(tok)
+    for impl in ATTENTION:
+        loaded = load(path, attn_implementation=impl)
+        assert max(max_diffs(loaded, model, idx)) <= 1e-5, impl
+    hf = load(path)
+    with torch.no_grad():
+        ref = model(idx)
+        for change in ({"layer_types": ["full_attention"] * 4}, {"layer_types": ["sliding_attention"] * 4},
+                       {"sliding_window": 8}):
+            saved_config = {k: getattr(hf.config, k) for k in change}
+            for k, v in change.items():
+                setattr(hf.config, k, v)
+            assert (hf(idx).logits - ref).abs().max().item() > 1e-3, change
+            for k, v in saved_config.items():
+                setattr(hf.config, k, v)
+        assert (hf(idx).logits - ref).abs().max().item() <= 1e-5
+    prompts = [tok.encode(s, prepend="<|bos|>") for s in ["The cat", "What is 12 + 30? It", SENTENCES[2]]]
+    want = Engine(model, tok).generate(prompts, max_tokens=12)
+    stops = {tok.get_bos_token_id(), tok.encode_special("<|assistant_end|>")}
+    cut = lambda ids: next((ids[:i] for i, t in enumerate(ids) if t in stops), ids)  # noqa: E731
+    for p, w in zip(prompts, want):
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=12, do_sample=False)
+        assert cut(out[0, len(p):].tolist()) == w
+    n = max(map(len, prompts))
+    ids = torch.tensor([[0] * (n - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert [cut(r) for r in out[:, n:].tolist()] == want
+
+
 @pytest.mark.slow  # continuous batching starts a scheduler thread and sizes a paged cache: ~1 s per
 # implementation here; the default tier keeps the plain forward under each implementation and generate
 @pytest.mark.unit
-def test_continuous_batching_equals_engine(exported, model, tok):
+@pytest.mark.parametrize("which", ["full", "windowed"])
+def test_continuous_batching_equals_engine(which, exported, model, tok, request):
     """
     transformers' continuous batching (generate_batch, greedy, max_new_tokens 12, a paged cache of 32-token pages)
     on the export, with attn_implementation sdpa and paged|eager, gives Engine's greedy tokens for 4 prompts of
@@ -245,10 +308,13 @@ def test_continuous_batching_equals_engine(exported, model, tok):
     batching, are the project's). Catches positions taken from the cache length instead of the per-token
     position_ids (the prompts are packed into one row), the forward's keyword arguments not passed down to
     cache.update and the attention (the paged cache then has no read/write indices), and logits_to_keep indices
-    ignored (logits of the wrong tokens).
+    ignored (logits of the wrong tokens). "windowed": the same for the GPT with sliding windows (the windowed
+    fixture; the prompts and their 12 tokens outgrow its 8-key window).
     """
     from transformers import ContinuousBatchingConfig, GenerationConfig
-    path, _, _ = exported
+    path = exported[0]
+    if which == "windowed":
+        path, model = request.getfixturevalue("windowed")
     prompts = [tok.encode(s, prepend="<|bos|>") for s in ["The cat", "What is 12 + 30? It", "Hello there, how",
                                                           "Numbers like 2024 and"]]
     want = Engine(model, tok).generate(prompts, max_tokens=12)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.smoke
 STEPS, SAVE_EVERY, EPOCH_STEPS = 20, 5, 15
 STEP_TOKENS = 8 * 65  # TINY_TRAIN: 512 tokens per step = 2 micro-batches x 4 rows of max_seq_len + 1 = 65 tokens
 ARGS = [*TINY_TRAIN, f"--num_iterations={STEPS}", f"--save_every={SAVE_EVERY}", "--row_packing=contiguous"]
+WINDOWS = ["--window_pattern=SSSL", "--short_window=16"]  # depth 2: layer 0 sees keys i-16..i of 64, layer 1 all
 
 
 def make_epoch_data(shared_base_dir, out_dir, epoch_tokens):
@@ -118,12 +119,14 @@ def runs(shared_base_dir, tmp_path_factory):
     data = str(base / "epoch_data")
     n_docs = make_epoch_data(shared_base_dir, data, EPOCH_STEPS * STEP_TOKENS)
     args = [*ARGS, f"--data={data}"]
-    with ThreadPoolExecutor(max_workers=2) as pool:  # contiguous rows (the epoch tests below) and best-fit ones
+    with ThreadPoolExecutor(max_workers=2) as pool:  # contiguous rows (the epoch tests below), best-fit ones, windows
         straights = [pool.submit(run_script, "base_train.py", *args, f"--run_name={name}", *extra, base_dir=base)
-                     for name, extra in (("straight", []), ("straight_fit", ["--row_packing=best_fit"]))]
-        straight, straight_fit = (f.result() for f in straights)
+                     for name, extra in (("straight", []), ("straight_fit", ["--row_packing=best_fit"]),
+                                         ("straight_win", WINDOWS))]
+        straight, straight_fit, straight_win = (f.result() for f in straights)
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert straight_fit.returncode == 0, straight_fit.stderr[-3000:]
+    assert straight_win.returncode == 0, straight_win.stderr[-3000:]
     src = str(base / "base" / "straight")
 
     def prepare(name, step, edit=None, keep=None, source=src):
@@ -149,6 +152,8 @@ def runs(shared_base_dir, tmp_path_factory):
     corrupt(prepare("fallback", 10), 10)
     prepare("exact10_fit", 10, source=str(base / "base" / "straight_fit"))
     prepare("flip10", 10)
+    prepare("exact10_win", 10, source=str(base / "base" / "straight_win"))
+    prepare("flipwin10", 10, source=str(base / "base" / "straight_win"))
     corrupt(prepare("fresh", 5, keep={5}), 5)
     fresh_before = {f: open(os.path.join(base, "base", "fresh", f), "rb").read()
                     for f in ("metrics.jsonl", os.path.join("checkpoints", "step_000005", "model.pt"))}
@@ -157,6 +162,8 @@ def runs(shared_base_dir, tmp_path_factory):
     jobs["fresh"] = [*args, "--run_name=fresh", "--resume=True", "--num_iterations=2"]
     jobs["exact10_fit"] = [*args, "--run_name=exact10_fit", "--resume=True", "--row_packing=best_fit"]
     jobs["flip10"] = [*args, "--run_name=flip10", "--resume=True", "--row_packing=best_fit"]
+    jobs["exact10_win"] = [*args, "--run_name=exact10_win", "--resume=True", *WINDOWS]
+    jobs["flipwin10"] = [*args, "--run_name=flipwin10", "--resume=True"]  # the windows forgotten: L
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_script, "base_train.py", *a, base_dir=base) for name, a in jobs.items()}
         results = {name: f.result() for name, f in futures.items()}
@@ -253,6 +260,29 @@ def test_resume_refuses_another_packing(runs):
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
     assert "row_packing='contiguous'" in errors[0] and "--row_packing='best_fit'" in errors[0]
     assert "step 00001" not in r.stdout
+
+
+def test_windowed_resume_10_plus_10_is_bit_exact(runs):
+    """
+    With sliding windows (--window_pattern=SSSL --short_window=16: depth 2's first layer sees 17 of 64 keys) 10
+    steps, a new process with --resume=True and 10 more log the straight windowed run's 20 losses exactly, with equal
+    model.pt and optim.pt; the checkpoint's model_config carries the windows, and the windowed losses differ from
+    the full-attention run's from step 2 (the flag reaches the model). Resuming it without the flags (window L) stops
+    with one line naming the flag, exit code 2. Catches a window lost on resume (the resumed steps then train a full
+    model: other losses), a model_config without the window fields, and a resume that accepts another pattern.
+    """
+    win_src = run_dir(runs, "straight_win")
+    assert resumed_ok(runs, "exact10_win", 10) == losses(win_src)
+    for f in ("model.pt", "optim.pt"):
+        assert tensors_equal(os.path.join(ckpt_dir(win_src, 20), f),
+                             os.path.join(ckpt_dir(run_dir(runs, "exact10_win"), 20), f)), f
+    with open(os.path.join(ckpt_dir(win_src, 10), "meta.json")) as f:
+        model_config = json.load(f)["model_config"]
+    assert (model_config["window_pattern"], model_config["short_window"]) == ("SSSL", 16)
+    assert losses(win_src)[1] == losses(runs["src"])[1] and losses(win_src)[2] != losses(runs["src"])[2]
+    r = runs["flipwin10"]
+    errors = [line for line in r.stderr.splitlines() if not line.startswith("Overriding:")]
+    assert r.returncode == 2 and len(errors) == 1 and "window_pattern" in errors[0], r.stderr[-2000:]
 
 
 def test_resume_without_the_loader_state_fails_the_check(runs):

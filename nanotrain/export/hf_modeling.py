@@ -7,9 +7,15 @@ modeling_nanotrain.py (config.json's auto_map names its two classes). It re-impl
 forward (the same parameter names, so the state dict is the project's): rotary embeddings (Su et al. 2021) on the two
 halves of the head dim, QK RMSNorm after rotary, attention logits scaled by qk_scale / sqrt(head_dim),
 parameter-free RMSNorm (F.rms_norm) after the embedding and before every block half and the head, ReLU^2 MLP, GQA,
-untied lm_head, logits soft-capped at 15 * tanh(z / 15) in fp32, and value embeddings (ResFormer-style, a gate
-2 sigmoid(W x[:12]) per kv head on alternating blocks, the last always). GPT's options smear, backout and x0_lambdas
-are not implemented (NanotrainConfig refuses them; nanotrain.export.hf refuses such a checkpoint).
+untied lm_head, logits soft-capped at 15 * tanh(z / 15) in fp32, value embeddings (ResFormer-style, a gate
+2 sigmoid(W x[:12]) per kv head on alternating blocks, the last always), and sliding-window attention (GPTConfig's
+window_pattern and short_window W: the query at position i of an S layer attends keys i-W..i), written in transformers'
+own terms as its Qwen2 and Gemma do: config.layer_types ("sliding_attention" / "full_attention" per layer) and
+config.sliding_window = W + 1 (transformers counts the keys, its mask is kv_idx > q_idx - sliding_window; its
+flash-attention path passes window_size=(sliding_window - 1, ...) = (W, ...)); the sliding layers get
+create_sliding_window_causal_mask's mask and sliding_window in the attention call, and DynamicCache(config=...) keeps
+only their last W keys. GPT's options smear, backout and x0_lambdas are not implemented (NanotrainConfig refuses
+them; nanotrain.export.hf refuses such a checkpoint).
 
 Attention goes through transformers' attention interface, as its Llama does (transformers 5.24,
 models/llama/modeling_llama.py): the mask comes from masking_utils.create_causal_mask, the cache is updated with
@@ -29,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -41,10 +47,12 @@ NOT_IMPLEMENTED = ("smear", "backout", "x0_lambdas")  # GPTConfig options this f
 class NanotrainConfig(PretrainedConfig):
     """
     nanotrain.gpt.GPTConfig's fields under their own names (n_layer, n_head, n_kv_head, model_dim, max_seq_len,
-    vocab_size, value_embeds, rotary_base, qk_scale), with the standard transformers names mapped onto them
-    (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads); max_position_embeddings is
-    10 * max_seq_len, the length of GPT's rotary table. Raises ValueError when smear, backout or x0_lambdas is true
-    (options this modeling file does not implement); false values are accepted and dropped.
+    vocab_size, value_embeds, rotary_base, qk_scale, window_pattern, short_window), with the standard transformers
+    names mapped onto them (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads); max_position_
+    embeddings is 10 * max_seq_len, the length of GPT's rotary table; layer_types and sliding_window (short_window + 1,
+    or None without a sliding layer) are derived from the window fields (given values are recomputed). Raises
+    ValueError when smear, backout or x0_lambdas is true (options this modeling file does not implement; false values
+    are accepted and dropped), or for a window_pattern other than a non-empty string of S and L.
     """
 
     model_type = "nanotrain"
@@ -52,10 +60,22 @@ class NanotrainConfig(PretrainedConfig):
                      "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head"}
 
     def __init__(self, max_seq_len=2048, vocab_size=32768, n_layer=12, n_head=6, n_kv_head=6, model_dim=768,
-                 value_embeds=True, rotary_base=10000.0, qk_scale=1.0, **kwargs):
+                 value_embeds=True, rotary_base=10000.0, qk_scale=1.0, window_pattern="L", short_window=None,
+                 **kwargs):
         for name in NOT_IMPLEMENTED:
             if kwargs.pop(name, False):
                 raise ValueError(f"NanotrainConfig: {name}=True is not implemented by this modeling file")
+        if not isinstance(window_pattern, str) or not window_pattern or set(window_pattern) - {"S", "L"}:
+            raise ValueError(f"NanotrainConfig: window_pattern={window_pattern!r}, expected a string of S and L")
+        if short_window is None:  # nanotrain.gpt.default_short_window
+            short_window = max(128, -(-(max_seq_len // 4) // 128) * 128)
+        self.window_pattern, self.short_window = window_pattern, int(short_window)
+        # the pattern tiled over the layers, the last one always full (nanotrain.gpt.attention_windows)
+        self.layer_types = ["sliding_attention" if window_pattern[i % len(window_pattern)] == "S" and i < n_layer - 1
+                            else "full_attention" for i in range(n_layer)]
+        self.sliding_window = self.short_window + 1 if "sliding_attention" in self.layer_types else None
+        kwargs.pop("layer_types", None)
+        kwargs.pop("sliding_window", None)
         self.max_seq_len, self.vocab_size, self.n_layer = max_seq_len, vocab_size, n_layer
         self.n_head, self.n_kv_head, self.model_dim = n_head, n_kv_head, model_dim
         self.value_embeds = value_embeds
@@ -119,6 +139,8 @@ class CausalSelfAttention(nn.Module):
         self.num_key_value_groups = config.n_head // config.n_kv_head  # the name transformers' attention reads
         self.scaling = config.qk_scale * self.head_dim ** -0.5
         self.is_causal = True
+        # keys kept: sliding_window (q_idx - sliding_window < kv_idx <= q_idx); None: all
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
         d = config.model_dim
         self.c_q = nn.Linear(d, self.n_head * self.head_dim, bias=False)
         self.c_k = nn.Linear(d, self.n_kv_head * self.head_dim, bias=False)
@@ -140,7 +162,8 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        y, _ = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        y, _ = attention(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                         sliding_window=self.sliding_window, **kwargs)
         return self.c_proj(y.reshape(B, T, -1).contiguous())
 
 
@@ -228,12 +251,18 @@ class NanotrainForCausalLM(PreTrainedModel, GenerationMixin):
                 past = cache.get_seq_length() if cache is not None else 0
                 position_ids = (past + torch.arange(T, device=input_ids.device)).expand(B, T)
         x = rms_norm(self.wte(input_ids))
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-                                  position_ids=position_ids)
+        if isinstance(attention_mask, dict):  # prepared by generate (create_masks_for_generate), keyed by layer type
+            masks = attention_mask
+        else:
+            args = dict(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+                        position_ids=position_ids)
+            masks = {"full_attention": create_causal_mask(**args)}
+            if "sliding_attention" in self.config.layer_types:
+                masks["sliding_attention"] = create_sliding_window_causal_mask(**args)
         cos_sin = self._rotary(position_ids)
         for i, block in enumerate(self.blocks):
             ve = self.value_embeds[str(i)](input_ids) if str(i) in self.value_embeds else None
-            x = block(x, cos_sin, mask, cache, ve, **kwargs)
+            x = block(x, cos_sin, masks[self.config.layer_types[i]], cache, ve, **kwargs)
         x = rms_norm(x)
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
