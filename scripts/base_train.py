@@ -124,9 +124,9 @@ config = configure(globals(), none_types={"num_iterations": (int,), "device_batc
                                           "eval_tokens": (int,), "short_window": (int,)})
 # -----------------------------------------------------------------------------
 
+# settings a resume must share with its checkpoint (device_batch_size may change: the same tokens)
 RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "row_packing", "value_embeds", "smear", "backout",
-               "x0_lambdas", "rotary_base", "qk_scale", "window_pattern", "short_window")  # device_batch_size may
-# change between a run and its resume: the same tokens
+               "x0_lambdas", "rotary_base", "qk_scale", "window_pattern", "short_window")
 SAMPLE_PROMPTS = ["The capital of France is", "A list in Python is", "The opposite of hot is", "def add(a, b):"]
 
 
