@@ -1,6 +1,15 @@
 """
 Export a GPT and its tokenizer as a Hugging Face transformers directory: AutoModelForCausalLM.from_pretrained(dir,
-trust_remote_code=True) and AutoTokenizer.from_pretrained(dir) load it offline.
+trust_remote_code=True) and AutoTokenizer.from_pretrained(dir, trust_remote_code=True) load it offline;
+tok.apply_chat_template(messages, add_generation_prompt=True) and model.generate chat with it (scripts/export.py
+--format=hf). fp32 logits equal the project's to 1e-5 and greedy generate gives Engine's tokens
+(tests/test_hf_export.py). The model's attention goes through transformers' attention interface
+(ALL_ATTENTION_FUNCTIONS, _supports_attention_backend): eager, sdpa and paged|eager run it, continuous batching
+(model.generate_batch) gives Engine's greedy tokens, and it is the interface vLLM's transformers backend
+(--model-impl transformers) requires of a remote-code model (vLLM was not run here). Sliding windows travel as
+transformers' own layer_types and sliding_window (= the project's window + 1: transformers counts keys). A checkpoint
+trained with smear, backout or x0_lambdas is refused in one line. lm-evaluation-harness runs on any export:
+`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,add_bos_token=True --tasks hellaswag`.
 
 The directory holds config.json (nanotrain.export.hf_modeling.NanotrainConfig, auto_map naming modeling_nanotrain.py),
 generation_config.json, model.safetensors (the GPT's own parameter names), modeling_nanotrain.py (a verbatim copy
