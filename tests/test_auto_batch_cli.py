@@ -90,7 +90,8 @@ def test_mid_train_and_chat_sft_accept_the_flags(base_dir):
 
 
 PLAN_SETTINGS = ["depth", "depths", "max_seq_len", "vocab_size", "total_batch_size", "device_memory_gb", "margin",
-                 "world_size", "activation_checkpointing"]  # the flags of plan mode's former argparse command line
+                 "world_size", "activation_checkpointing",  # the flags of plan mode's former argparse command line
+                 "window_pattern", "short_window"]  # the attention windows, planned on the backend training takes
 
 
 def test_plan_script_help_lists_every_setting():
