@@ -69,6 +69,10 @@ def zeropower_via_newtonschulz5(G, steps=5, dtype=None, polar_express=False):
         raise ValueError(f"zeropower_via_newtonschulz5 expects a matrix or a stack of them, got shape {tuple(G.shape)}")
     if dtype is None:
         dtype = ns_dtype_for(G.device)
+    if G.ndim == 3 and G.device.type == "cpu" and min(G.shape[-2:]) < 8:
+        # ATen's CPU bmm computes products this small (< 400 multiply-adds per matrix) in its own loop, which rounds
+        # differently from mm; so tiny matrices, which gain nothing from a batch, go one by one, as 2-D ones do
+        return torch.stack([zeropower_via_newtonschulz5(g, steps, dtype, polar_express) for g in G])
     coeffs = POLAR_EXPRESS_COEFFS[:steps] if polar_express else [NS_COEFFS] * steps
     X = G.float()
     norm = X.norm() if X.ndim == 2 else X.norm(dim=(-2, -1), keepdim=True)
@@ -155,7 +159,7 @@ def muon_update(params, bufs, new_bufs, second_moments, ortho, hyper, finite=Non
         ortho = ortho[:, rows[0]:rows[1]]
     u = ortho.to(params.dtype)
     new_params = params - params * (u * params > 0) * hyper[3]  # cautious: only where u moves p towards zero too
-    new_params = new_params - u * hyper[2]
+    new_params = torch.addcmul(new_params, u, -hyper[2])  # p + (-s) u: what p.add_(u, alpha=-s) computes
     if finite is None:
         return new_params, new_bufs, new_moments
     keep = (lambda new, old: torch.where(finite, new, old))
@@ -177,13 +181,13 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _all_gather(out, chunk, group):
-    """all_gather of `chunk` into `out` (world_size chunks along dim 0) over `group`; gloo has no
-    all_gather_into_tensor, so a list of out's views there."""
+def _all_gather(out, chunk, group, async_op=True):
+    """all_gather of `chunk` into `out` (world_size chunks along dim 0) over `group` (gloo has no
+    all_gather_into_tensor: a list of out's views there). Returns the Work to wait() for (async_op), else None."""
     if dist.get_backend(group) == "gloo":
-        dist.all_gather(list(out.chunk(dist.get_world_size(group))), chunk.contiguous(), group=group)
-    else:
-        dist.all_gather_into_tensor(out, chunk.contiguous(), group=group)
+        return dist.all_gather(list(out.chunk(dist.get_world_size(group))), chunk.contiguous(), group=group,
+                               async_op=async_op)
+    return dist.all_gather_into_tensor(out, chunk.contiguous(), group=group, async_op=async_op)
 
 
 def _gather_rows(local, rows, group):
@@ -194,7 +198,7 @@ def _gather_rows(local, rows, group):
     padded = local.new_zeros(local.size(0), chunk, local.size(2))
     padded[:, :local.size(1)] = local
     out = local.new_empty(world * local.size(0), chunk, local.size(2))
-    _all_gather(out, padded, group)
+    _all_gather(out, padded, group, async_op=False)
     n = local.size(0)
     return torch.cat([out[r * n:(r + 1) * n] for r in range(world)], dim=1)[:, :rows]
 
@@ -270,17 +274,25 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        finish = None  # the previous stack's end: its all-gather runs while this stack is orthogonalised
         for group in self.param_groups:
             stacks = {}
             for p in group["params"]:
                 if p.grad is not None:
                     stacks.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
             for params in stacks.values():
-                self._step_stack(group, params, finite)
+                started = self._start_stack(group, params, finite)
+                if finish is not None:
+                    finish()
+                finish = started
+        if finish is not None:
+            finish()
         return loss
 
-    def _step_stack(self, group, params, finite):
-        """One step of `params`, all of one shape, dtype and device (Muon.step)."""
+    def _start_stack(self, group, params, finite):
+        """The first half of the step of `params`, all of one shape, dtype and device (Muon.step): the momentum and
+        this rank's chunk of the orthogonalisation, its all-gather launched. Returns the second half, a function of
+        no arguments that waits for the gather and writes the parameters and the state."""
         fns = self.fns
         shape = tuple(params[0].shape)
         for p in params:
@@ -292,35 +304,42 @@ class Muon(torch.optim.Optimizer):
                 state["second_moment"] = torch.zeros(side, dtype=torch.float32, device=_local(p).device)
         grads = torch.stack([_local(p.grad) for p in params])
         bufs = torch.stack([_local(self.state[p]["momentum_buffer"]) for p in params])
-        moments = torch.stack([self.state[p]["second_moment"] for p in params]) if group["beta2"] > 0 else None
         hyper = muon_hyperparameters(group, shape, grads.device)
         new_bufs, u = fns["momentum"](grads, bufs, hyper, finite, group["nesterov"])
+        del grads
 
         mesh = getattr(params[0], "device_mesh", None)
         pg = mesh.get_group() if mesh is not None else self.process_group
         world = dist.get_world_size(pg) if pg is not None else 1
         rows = None
         if mesh is not None and world > 1:  # FSDP2: this rank's rows -> whole matrices
-            chunk = -(-shape[0] // world)
-            start = min(dist.get_rank(pg) * chunk, shape[0])
+            start = min(dist.get_rank(pg) * -(-shape[0] // world), shape[0])
             rows = (start, start + u.size(1))
             u = _gather_rows(u, shape[0], pg)
         ns_dtype = NS_DTYPES.get(group["ns_dtype"]) or ns_dtype_for(u.device)  # eagerly: it may measure the CPU
-        n = len(params)
+        n, work = len(params), None
         if world > 1:  # each rank orthogonalises 1/world of the stack (zero-padded to equal chunks), then all-gather
             per = -(-n // world)
-            if per * world > n:
-                u = torch.cat([u, u.new_zeros(per * world - n, *u.shape[1:])])
-            mine = u[dist.get_rank(pg) * per:(dist.get_rank(pg) + 1) * per]
-            ortho = fns["zeropower"](mine, group["ns_steps"], ns_dtype, group["polar_express"])
-            gathered = ortho.new_empty(per * world, *ortho.shape[1:])
-            _all_gather(gathered, ortho, pg)
-            ortho = gathered[:n]
+            start = min(dist.get_rank(pg) * per, n)
+            mine = u[start:start + per]
+            if mine.size(0) < per:
+                mine = torch.cat([mine, mine.new_zeros(per - mine.size(0), *mine.shape[1:])])
+            mine = fns["zeropower"](mine, group["ns_steps"], ns_dtype, group["polar_express"])
+            ortho = mine.new_empty(per * world, *mine.shape[1:])
+            work = _all_gather(ortho, mine, pg)
         else:
             ortho = fns["zeropower"](u, group["ns_steps"], ns_dtype, group["polar_express"])
-        old = torch.stack([_local(p) for p in params])
-        new_params, new_bufs, new_moments = fns["update"](old, bufs, new_bufs, moments, ortho, hyper, finite, rows)
-        torch._foreach_copy_([_local(p) for p in params], list(new_params.unbind(0)))
-        torch._foreach_copy_([_local(self.state[p]["momentum_buffer"]) for p in params], list(new_bufs.unbind(0)))
-        if new_moments is not None:
-            torch._foreach_copy_([self.state[p]["second_moment"] for p in params], list(new_moments.unbind(0)))
+        del u
+
+        def finish():
+            if work is not None:
+                work.wait()
+            moments = torch.stack([self.state[p]["second_moment"] for p in params]) if group["beta2"] > 0 else None
+            old = torch.stack([_local(p) for p in params])
+            new_params, bufs_out, new_moments = fns["update"](old, bufs, new_bufs, moments, ortho[:n], hyper, finite,
+                                                              rows)
+            torch._foreach_copy_([_local(p) for p in params], list(new_params.unbind(0)))
+            torch._foreach_copy_([_local(self.state[p]["momentum_buffer"]) for p in params], list(bufs_out.unbind(0)))
+            if new_moments is not None:
+                torch._foreach_copy_([self.state[p]["second_moment"] for p in params], list(new_moments.unbind(0)))
+        return finish
