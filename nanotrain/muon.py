@@ -5,24 +5,28 @@ https://kellerjordan.github.io/posts/muon/) and KellerJordan/modded-nanogpt; nan
 
 By shape: in each step the matrices of one param group with the same shape, dtype and device are stacked into one
 (n, rows, cols) batch and updated together: momentum, one batched orthogonalisation (Polar Express / Newton-Schulz on
-batched matmuls), NorMuon, cautious weight decay, update. The three functions of a stack (muon_momentum,
-zeropower_via_newtonschulz5, muon_update) are functions of tensors whose hyperparameters travel in one small fp32
-tensor, so nanotrain.optim.compile_optimizer_step compiles each once per shape and a schedule moving the lr or the
-momentum every step does not recompile. The state stays per parameter ("momentum_buffer", "second_moment"), as
-torch.optim.Optimizer saves it, so checkpoints do not depend on the stacking.
+batched matmuls), NorMuon, cautious weight decay, update. The four functions of a stack (muon_momentum,
+zeropower_via_newtonschulz5, variance_normalized, muon_update) are functions of tensors whose hyperparameters travel
+in one small fp32 tensor, so nanotrain.optim.compile_optimizer_step compiles each once per shape and a schedule
+moving the lr or the momentum every step does not recompile. The state stays per parameter ("momentum_buffer",
+"second_moment"), as torch.optim.Optimizer saves it, so checkpoints do not depend on the stacking (and load as they
+did before it). On CPU the eager step equals the one-matrix-at-a-time step bit for bit.
 
 Shared across ranks (process_group, under DDP; always under FSDP2): the gradients are the same on every rank, so
-every rank would compute the same orthogonalisation. Instead the stack is split into world_size equal chunks
-(zero-padded), each rank orthogonalises its chunk and the chunks are all-gathered, so each rank does 1/world_size of
-the matmuls; the elementwise parts (momentum, NorMuon, the update) run on every rank, which keeps the optimizer state
-replicated and the checkpoints as a single process writes them. This is the idea of nanochat's DistMuon (its
-MuonAdamW: the stacked parameters of one shape divided among the ranks, each computing the update of the ones it
-owns, then gathered) and of the distributed Muon of Liu et al. 2025 ("Muon is Scalable for LLM Training", Moonlight,
-arXiv:2502.16982: the momentum of ZeRO-sharded matrices gathered into whole matrices for Newton-Schulz, the update
-cut back to the local shard). Under FSDP2 (nanotrain.fsdp: DTensors sharded on dim 0) the momentum is updated on the
-local rows, the stacked update is all-gathered into whole matrices (Newton-Schulz needs them: the polar factor of a
-block of rows is not a block of the polar factor), each rank orthogonalises its chunk of the stack, the chunks are
-all-gathered, NorMuon runs on the whole matrices and each rank applies its own rows.
+every rank would compute the same orthogonalisation. Instead each stack is split into world_size chunks of
+ceil(n / world_size) matrices (zero matrices past n), each rank orthogonalises and normalises (NorMuon) its chunk,
+and the results are gathered, so each rank does 1/world_size of the matmuls; the momentum and the update are
+elementwise and run on every rank's tensors, which keeps the optimizer state as a single process keeps it and the
+checkpoints as it writes them. The idea is that of nanochat's DistMuon (its MuonAdamW: the stacked parameters of one
+shape divided among the ranks, each computing the update of the ones it owns, then all-gathered) and of the
+distributed Muon of Liu et al. 2025 ("Muon is Scalable for LLM Training", Moonlight, arXiv:2502.16982: the momentum
+of ZeRO-sharded matrices gathered into whole matrices for Newton-Schulz, the update cut back to the local shard).
+Under DDP: the chunks are all-gathered. Under FSDP2 (nanotrain.fsdp: DTensors sharded on dim 0) Newton-Schulz needs
+whole matrices (the polar factor of a block of rows is not a block of the polar factor): the momentum is updated on
+the local rows, one all-to-all brings each rank the rows of its chunk's matrices from every rank, and after the
+orthogonalisation and NorMuon a second all-to-all sends every rank its rows back (and the small second moments are
+all-gathered), so each rank receives about 1/world_size of the stack instead of all of it. Each stack's gather runs
+while the next stack is orthogonalised.
 """
 
 import torch
@@ -99,10 +103,12 @@ def ns_dtype_for(device):
     return torch.bfloat16 if fast_bf16(device) else torch.float32
 
 
-def _variance_normalized(update, second_moment, weight):
-    """normalize_variance without a state dict: returns (the normalised update, the new second moment), no in-place
-    change. update (..., rows, cols); second_moment (..., rows, 1) or (..., 1, cols) fp32; weight: 1 - beta2, a
-    float or a 0-d tensor."""
+def variance_normalized(update, second_moment, weight):
+    """
+    normalize_variance without a state dict, Muon's NorMuon step on a stack: update (..., rows, cols) of whole
+    matrices, any float dtype; second_moment (..., rows, 1) or (..., 1, cols) fp32; weight: 1 - beta2, a float or a
+    0-d tensor. Returns (the normalised update, like update; the new second moment), no in-place change.
+    """
     dim = -1 if update.size(-2) >= update.size(-1) else -2
     u = update.float()
     second_moment = second_moment.lerp(u.square().mean(dim=dim, keepdim=True), weight)
@@ -125,7 +131,7 @@ def normalize_variance(update, state, beta2):
     dim = -1 if update.size(-2) >= update.size(-1) else -2
     if "second_moment" not in state:
         state["second_moment"] = torch.zeros_like(update.float().mean(dim=dim, keepdim=True))
-    out, state["second_moment"] = _variance_normalized(update, state["second_moment"], 1 - beta2)
+    out, state["second_moment"] = variance_normalized(update, state["second_moment"], 1 - beta2)
     return out
 
 
@@ -143,20 +149,15 @@ def muon_momentum(grads, bufs, hyper, finite=None, nesterov=True):
     return bufs, (grads.lerp(bufs, hyper[0]) if nesterov else bufs)
 
 
-def muon_update(params, bufs, new_bufs, second_moments, ortho, hyper, finite=None, rows=None):
+def muon_update(params, bufs, new_bufs, second_moments, new_moments, ortho, hyper, finite=None):
     """
-    The rest of Muon's step on a stack, after the orthogonalisation: NorMuon (when second_moments is not None) on the
-    whole matrices ortho (n, rows, cols, any float dtype), then this rank's rows (rows: (start, stop), FSDP2's local
-    shard, or None: all), then cautious weight decay and the update of params (n, local rows, cols):
-    p - s * wd * p * (u * p > 0) - s * u with s = lr * sqrt(max(1, rows / cols)) (hyper: fp32 tensor (momentum,
-    1 - momentum, s, s * wd, 1 - beta2), muon_hyperparameters). finite: None, or a 0-d bool tensor: where False every
-    returned tensor equals the old one bit for bit. Returns (params, buffers, second moments or None), new tensors.
+    The end of Muon's step on a stack: cautious weight decay and the update of params (n, rows, cols) by ortho (the
+    orthogonalised, NorMuon-normalised update of the same rows, any float dtype): p - s * wd * p * (u * p > 0) - s * u
+    with s = lr * sqrt(max(1, rows / cols)) (hyper: fp32 tensor (momentum, 1 - momentum, s, s * wd, 1 - beta2),
+    muon_hyperparameters). bufs, second_moments: the old state, new_bufs, new_moments the new one (moments None
+    without NorMuon). finite: None, or a 0-d bool tensor: where False every returned tensor equals the old one bit for
+    bit. Returns (params, buffers, second moments or None), new tensors.
     """
-    new_moments = None
-    if second_moments is not None:
-        ortho, new_moments = _variance_normalized(ortho, second_moments, hyper[4])
-    if rows is not None:
-        ortho = ortho[:, rows[0]:rows[1]]
     u = ortho.to(params.dtype)
     new_params = params - params * (u * params > 0) * hyper[3]  # cautious: only where u moves p towards zero too
     new_params = torch.addcmul(new_params, u, -hyper[2])  # p + (-s) u: what p.add_(u, alpha=-s) computes
@@ -190,17 +191,36 @@ def _all_gather(out, chunk, group, async_op=True):
     return dist.all_gather_into_tensor(out, chunk.contiguous(), group=group, async_op=async_op)
 
 
-def _gather_rows(local, rows, group):
-    """The whole matrices (n, rows, cols) from each rank's rows (n, local rows, cols) of them, cut as FSDP2 cuts
-    dim 0 (torch.chunk: ceil(rows / world) rows per rank, the last ones fewer or none). Collective over group."""
-    world = dist.get_world_size(group)
+def _rows_to_matrices(local, rows, group):
+    """
+    FSDP2's layout to whole matrices: local (n, local rows, cols) is this rank's rows of a stack of n matrices of
+    `rows` rows, cut as fully_shard cuts dim 0 (torch.chunk: ceil(rows / world) rows per rank, the last ranks fewer or
+    none). One all-to-all over `group`: rank r receives every rank's rows of matrices r * per .. (r + 1) * per - 1,
+    per = ceil(n / world) (zero matrices past n). Returns those whole matrices (per, rows, cols). Collective.
+    """
+    world, (n, have, cols) = dist.get_world_size(group), local.shape
+    per, chunk = -(-n // world), -(-rows // world)
+    send = local.new_zeros(per * world, chunk, cols)
+    send[:n, :have] = local
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # piece q of recv: rank q's rows of this rank's matrices
+    return recv.view(world, per, chunk, cols).transpose(0, 1).reshape(per, world * chunk, cols)[:, :rows]
+
+
+def _matrices_to_rows(whole, n, have, group):
+    """
+    The way back of _rows_to_matrices: whole (per, rows, cols), this rank's matrices; one all-to-all (launched,
+    not waited for) sends each rank its rows of them. Returns (work, a function of no arguments giving this rank's
+    rows (n, have, cols) of all n matrices once work.wait() returned).
+    """
+    world, (per, rows, cols) = dist.get_world_size(group), whole.shape
     chunk = -(-rows // world)
-    padded = local.new_zeros(local.size(0), chunk, local.size(2))
-    padded[:, :local.size(1)] = local
-    out = local.new_empty(world * local.size(0), chunk, local.size(2))
-    _all_gather(out, padded, group, async_op=False)
-    n = local.size(0)
-    return torch.cat([out[r * n:(r + 1) * n] for r in range(world)], dim=1)[:, :rows]
+    send = whole.new_zeros(per, world * chunk, cols)
+    send[:, :rows] = whole
+    send = send.view(per, world, chunk, cols).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)  # piece q: this rank's rows of rank q's matrices
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, (lambda: recv.view(world * per, chunk, cols)[:n, :have])
 
 
 class Muon(torch.optim.Optimizer):
@@ -228,8 +248,9 @@ class Muon(torch.optim.Optimizer):
     lockstep, such as a memory probe) or a torch.distributed process group whose ranks all hold the same parameters
     and gradients (DDP after its all-reduce) and all call step() together: each then orthogonalises 1/world_size of
     every stack and the results are all-gathered. DTensor parameters (FSDP2) always share the work over their mesh.
-    fns (attribute): {"momentum": muon_momentum, "zeropower": zeropower_via_newtonschulz5, "update": muon_update},
-    which nanotrain.optim.compile_optimizer_step replaces by their compiled versions. state_dict/load_state_dict are the
+    fns (attribute): {"momentum": muon_momentum, "zeropower": zeropower_via_newtonschulz5, "normalize":
+    variance_normalized, "update": muon_update}, which nanotrain.optim.compile_optimizer_step replaces by their
+    compiled versions. state_dict/load_state_dict are the
     standard torch.optim.Optimizer ones (state per parameter: "momentum_buffer", same shape/dtype as p, and with
     beta2 > 0 "second_moment" (rows, 1) or (1, cols) fp32; the buffers are DTensors sharded like p under FSDP2, the
     second moments plain). The defaults are plain Muon; nanotrain.optim.setup_optimizers turns the rest on.
@@ -248,7 +269,8 @@ class Muon(torch.optim.Optimizer):
                                       ns_dtype=ns_dtype or "", polar_express=polar_express, beta2=beta2,
                                       weight_decay=weight_decay))
         self.process_group = process_group
-        self.fns = {"momentum": muon_momentum, "zeropower": zeropower_via_newtonschulz5, "update": muon_update}
+        self.fns = {"momentum": muon_momentum, "zeropower": zeropower_via_newtonschulz5,
+                    "normalize": variance_normalized, "update": muon_update}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -290,56 +312,71 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _start_stack(self, group, params, finite):
-        """The first half of the step of `params`, all of one shape, dtype and device (Muon.step): the momentum and
-        this rank's chunk of the orthogonalisation, its all-gather launched. Returns the second half, a function of
-        no arguments that waits for the gather and writes the parameters and the state."""
-        fns = self.fns
-        shape = tuple(params[0].shape)
+        """The first half of the step of `params`, all of one shape, dtype and device (Muon.step): the momentum,
+        this rank's share of the orthogonalisation and NorMuon, the gather of the results launched. Returns the
+        second half, a function of no arguments that waits for the gather and writes the parameters and the state."""
+        fns, shape, n = self.fns, tuple(params[0].shape), len(params)
+        normuon = group["beta2"] > 0
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
-            if group["beta2"] > 0 and "second_moment" not in state:
+            if normuon and "second_moment" not in state:
                 side = (shape[0], 1) if shape[0] >= shape[1] else (1, shape[1])
                 state["second_moment"] = torch.zeros(side, dtype=torch.float32, device=_local(p).device)
         grads = torch.stack([_local(p.grad) for p in params])
         bufs = torch.stack([_local(self.state[p]["momentum_buffer"]) for p in params])
+        moments = torch.stack([self.state[p]["second_moment"] for p in params]) if normuon else None
         hyper = muon_hyperparameters(group, shape, grads.device)
         new_bufs, u = fns["momentum"](grads, bufs, hyper, finite, group["nesterov"])
+        have = u.size(1)  # this rank's rows (all of them unless sharded)
         del grads
 
         mesh = getattr(params[0], "device_mesh", None)
         pg = mesh.get_group() if mesh is not None else self.process_group
         world = dist.get_world_size(pg) if pg is not None else 1
-        rows = None
-        if mesh is not None and world > 1:  # FSDP2: this rank's rows -> whole matrices
-            start = min(dist.get_rank(pg) * -(-shape[0] // world), shape[0])
-            rows = (start, start + u.size(1))
-            u = _gather_rows(u, shape[0], pg)
+        per = -(-n // world)  # matrices per rank
+        first = min(dist.get_rank(pg) * per, n) if world > 1 else 0  # this rank's first matrix
+        if mesh is not None and world > 1:  # FSDP2: the rows of this rank's matrices from every rank
+            u = _rows_to_matrices(u, shape[0], pg)
+        elif world > 1:  # DDP: every rank holds every matrix, each takes its chunk (zero-padded to `per`)
+            u = u[first:first + per]
+            if u.size(0) < per:
+                u = torch.cat([u, u.new_zeros(per - u.size(0), *u.shape[1:])])
         ns_dtype = NS_DTYPES.get(group["ns_dtype"]) or ns_dtype_for(u.device)  # eagerly: it may measure the CPU
-        n, work = len(params), None
-        if world > 1:  # each rank orthogonalises 1/world of the stack (zero-padded to equal chunks), then all-gather
-            per = -(-n // world)
-            start = min(dist.get_rank(pg) * per, n)
-            mine = u[start:start + per]
-            if mine.size(0) < per:
-                mine = torch.cat([mine, mine.new_zeros(per - mine.size(0), *mine.shape[1:])])
-            mine = fns["zeropower"](mine, group["ns_steps"], ns_dtype, group["polar_express"])
-            ortho = mine.new_empty(per * world, *mine.shape[1:])
-            work = _all_gather(ortho, mine, pg)
-        else:
-            ortho = fns["zeropower"](u, group["ns_steps"], ns_dtype, group["polar_express"])
+        ortho = fns["zeropower"](u, group["ns_steps"], ns_dtype, group["polar_express"])
         del u
+        new_moments = None
+        if normuon:  # on whole matrices: this rank's (zero-padded past n, like the update) or all of them
+            mine = moments[first:first + per] if world > 1 else moments
+            if mine.size(0) < ortho.size(0):
+                mine = torch.cat([mine, mine.new_zeros(ortho.size(0) - mine.size(0), *mine.shape[1:])])
+            ortho, new_moments = fns["normalize"](ortho, mine, hyper[4])
+        works = []
+        if world > 1:  # the second moments (small) and the updates of every rank's matrices, gathered
+            if normuon:
+                gathered = new_moments.new_empty(per * world, *new_moments.shape[1:])
+                works.append(_all_gather(gathered, new_moments, pg))
+                new_moments = gathered
+            if mesh is not None:  # FSDP2: back to this rank's rows of every matrix
+                work, local_rows = _matrices_to_rows(ortho, n, have, pg)
+                works.append(work)
+            else:
+                gathered = ortho.new_empty(per * world, *ortho.shape[1:])
+                works.append(_all_gather(gathered, ortho, pg))
+                local_rows = (lambda: gathered[:n])
+        else:
+            local_rows = (lambda: ortho)
 
         def finish():
-            if work is not None:
+            for work in works:
                 work.wait()
-            moments = torch.stack([self.state[p]["second_moment"] for p in params]) if group["beta2"] > 0 else None
             old = torch.stack([_local(p) for p in params])
-            new_params, bufs_out, new_moments = fns["update"](old, bufs, new_bufs, moments, ortho[:n], hyper, finite,
-                                                              rows)
+            new_params, bufs_out, moments_out = fns["update"](old, bufs, new_bufs, moments,
+                                                              None if new_moments is None else new_moments[:n],
+                                                              local_rows(), hyper, finite)
             torch._foreach_copy_([_local(p) for p in params], list(new_params.unbind(0)))
             torch._foreach_copy_([_local(self.state[p]["momentum_buffer"]) for p in params], list(bufs_out.unbind(0)))
-            if new_moments is not None:
-                torch._foreach_copy_([self.state[p]["second_moment"] for p in params], list(new_moments.unbind(0)))
+            if moments_out is not None:
+                torch._foreach_copy_([self.state[p]["second_moment"] for p in params], list(moments_out.unbind(0)))
         return finish

@@ -198,8 +198,8 @@ class CompiledOrEager:
 def compile_optimizer_step(optimizers, device, backend="inductor", log=print0):
     """
     Compiles the optimizer step of setup_optimizers' [AdamW, Muon] in place: AdamW.update = adamw_update compiled,
-    Muon.fns = its three stack functions (nanotrain.muon: muon_momentum, zeropower_via_newtonschulz5, muon_update)
-    compiled, each once per stack shape (dynamic=False). Call it after setup_optimizers and before the first step,
+    Muon.fns = its four stack functions (nanotrain.muon: muon_momentum, zeropower_via_newtonschulz5,
+    variance_normalized, muon_update) compiled, each once per stack shape (dynamic=False). Call it after setup_optimizers and before the first step,
     whatever wraps the model (DDP, FSDP2: the optimizers see plain tensors or the local shards; Muon's
     orthogonalisation runs on whole matrices, its collectives outside the compiled functions). Numerics: the same
     formulas, fused by the compiler, equal to the eager step within fp32 roundoff (tests/test_muon.py states the

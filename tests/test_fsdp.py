@@ -76,13 +76,15 @@ def same(a, b):
 
 
 def local_only(local, rows, group):
-    """The wrong variant of nanotrain.muon._gather_rows: this rank's rows of the stacked update in place, the other
-    ranks' rows zero (no communication), so each matrix is orthogonalised from one rank's rows alone."""
-    chunk = -(-rows // dist.get_world_size(group))
-    full = local.new_zeros(local.size(0), rows, local.size(2))
-    start = min(dist.get_rank(group) * chunk, rows)
-    full[:, start:start + local.size(1)] = local
-    return full
+    """The wrong variant of nanotrain.muon._rows_to_matrices: this rank's matrices built from its own rows alone (the
+    other ranks' rows zero, no communication), so each matrix is orthogonalised from one rank's rows."""
+    world, rank, (n, have, cols) = dist.get_world_size(group), dist.get_rank(group), local.shape
+    per, chunk = -(-n // world), -(-rows // world)
+    whole = local.new_zeros(per, rows, cols)
+    mine = local[rank * per:(rank + 1) * per]
+    start = min(rank * chunk, rows)
+    whole[:mine.size(0), start:start + have] = mine
+    return whole
 
 
 def worker(rank, port, out):
@@ -118,11 +120,11 @@ def worker(rank, port, out):
     res["fsdp"] += train(model, model, opts, rank, range(SAVE_AT, STEPS))
 
     # the wrong variant: Muon orthogonalises the local shard only
-    right = nanotrain.muon._gather_rows
-    nanotrain.muon._gather_rows = local_only
+    right = nanotrain.muon._rows_to_matrices
+    nanotrain.muon._rows_to_matrices = local_only
     model = fsdp_model()
     res["wrong"] = train(model, model, setup_optimizers(model, **OPT), rank, range(STEPS))
-    nanotrain.muon._gather_rows = right
+    nanotrain.muon._rows_to_matrices = right
 
     # FSDP checkpoint -> plain model under DDP: identical parameters, then the same losses as the DDP run
     ck = load_checkpoint(out + "/fsdp/checkpoints/step_%06d" % SAVE_AT, CPU, rank)
