@@ -436,7 +436,7 @@ def fast_bf16(device):
     Settled once per process and device type, with any dispatch mode (FakeTensorMode, MemTracker) switched off. Under
     torch.distributed on CPU the ranks agree (one all-reduce MIN: False unless every rank found fast bf16), so DDP
     replicas run the same numerics; the first call on CPU is then collective: every rank must make it.
-    Asked by nanotrain.training.precision (the default --dtype) and nanotrain.optim.ns_dtype_for. Returns a bool.
+    Asked by nanotrain.training.precision (the default --dtype) and nanotrain.muon.ns_dtype_for. Returns a bool.
     """
     kind = torch.device(device).type
     if kind not in _FAST_BF16:

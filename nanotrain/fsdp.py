@@ -7,7 +7,7 @@ torch.distributed.checkpoint.state_dict for full (unsharded) state dicts.
 Every parameter becomes a DTensor sharded on dim 0 over a 1-D device mesh of all ranks (rank r holds rows
 r*ceil(n/world) onwards, as torch.chunk splits them). Each transformer block is one FSDP group (one all-gather before
 its forward and backward, one reduce-scatter of its gradients), the root module holds the rest (wte, lm_head).
-Muon gathers each matrix's update itself (nanotrain.optim); AdamW works on the shards elementwise. Checkpoints are
+Muon gathers the whole matrices it needs itself (nanotrain.muon); AdamW works on the shards elementwise. Checkpoints are
 gathered into exactly the files a DDP or single-process run writes (nanotrain.checkpoint), so runs can switch modes.
 torch.compile composes, compile then shard (torch's "Where to apply torch.compile?": compile the modules a
 distributed wrapper is given, not the wrapper; torchtitan does the same per block): shard_model(compile_backend=...)

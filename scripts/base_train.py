@@ -15,6 +15,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from nanotrain import run, training
 from nanotrain.attention import attention_windows
@@ -251,7 +252,8 @@ def main():
                                   unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay,
                                   ns_dtype=ns_dtype, muon_weight_decay=muon_wd, embedding_beta2=embedding_beta2,
                                   unembedding_beta2=unembedding_beta2,
-                                  polar_express=polar_express, muon_beta2=muon_beta2)
+                                  polar_express=polar_express, muon_beta2=muon_beta2,
+                                  process_group=dist.group.WORLD if world_size > 1 else None)  # Muon shares its work
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")

@@ -163,7 +163,8 @@ def main():
     orig_model = model
     optimizers = setup_optimizers(model, matrix_lr=matrix_lr * init_lr_frac, embedding_lr=embedding_lr * init_lr_frac,
                                   unembedding_lr=unembedding_lr * init_lr_frac,
-                                  scalar_lr=scalar_lr * init_lr_frac, weight_decay=0.0)
+                                  scalar_lr=scalar_lr * init_lr_frac, weight_decay=0.0,
+                                  process_group=dist.group.WORLD if world_size > 1 else None)  # Muon shares its work
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")

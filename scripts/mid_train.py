@@ -21,6 +21,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from nanotrain import run, training
 from nanotrain.auto_batch_size.builders import gpt_builder
@@ -181,7 +182,8 @@ def main():
     orig_model = model
     num_params = model.num_params()
     flops_per_token = model.estimate_flops()
-    optimizers = setup_optimizers(model, **opt_kwargs)
+    optimizers = setup_optimizers(model, **opt_kwargs,  # under DDP Muon shares its work across the ranks
+                                  process_group=dist.group.WORLD if world_size > 1 else None)
     if ckpt is not None:
         for change in load_optimizers(model, optimizers, ckpt["optim"]):  # lrs and weight decay: this run's flags
             print0(f"--resume=True: optimizer setting from this run's flags: {change}")

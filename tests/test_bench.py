@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import run_script
 
-from nanotrain.optim import ns_dtype_for
+from nanotrain.muon import ns_dtype_for
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TINY = ["--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512", "--loader_seconds=0.2",

@@ -122,7 +122,7 @@ def ns_worker(rank, port, out_dir, agree):
     """One rank as a training script starts it (compute_init on CPU, a model, setup_optimizers), with rank 1
     measuring slow bf16 matmuls."""
     import nanotrain.common as hardware
-    import nanotrain.optim as muon
+    import nanotrain.muon as muon
     from nanotrain.common import compute_init
     from nanotrain.gpt import GPT, GPTConfig
     from nanotrain.optim import setup_optimizers

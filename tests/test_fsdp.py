@@ -75,14 +75,16 @@ def same(a, b):
     return a == b
 
 
-def local_only(update, steps=5, dtype=None, polar_express=False, then=None):
-    """The wrong variant: Newton-Schulz on this rank's rows of the update only, without gathering the matrix."""
-    from torch.distributed.tensor import DTensor
-
-    from nanotrain.optim import zeropower_via_newtonschulz5
-    local = zeropower_via_newtonschulz5(update.to_local(), steps, dtype, polar_express)
-    return DTensor.from_local(then(local) if then is not None else local, update.device_mesh,
-                              update.placements, shape=update.shape, stride=update.stride())
+def local_only(local, rows, group):
+    """The wrong variant of nanotrain.muon._rows_to_matrices: this rank's matrices built from its own rows alone (the
+    other ranks' rows zero, no communication), so each matrix is orthogonalised from one rank's rows."""
+    world, rank, (n, have, cols) = dist.get_world_size(group), dist.get_rank(group), local.shape
+    per, chunk = -(-n // world), -(-rows // world)
+    whole = local.new_zeros(per, rows, cols)
+    mine = local[rank * per:(rank + 1) * per]
+    start = min(rank * chunk, rows)
+    whole[:mine.size(0), start:start + have] = mine
+    return whole
 
 
 def worker(rank, port, out):
@@ -91,7 +93,7 @@ def worker(rank, port, out):
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    import nanotrain.optim
+    import nanotrain.muon
     from nanotrain.fsdp import full_state_dicts, shard_model
     res = {}
 
@@ -118,11 +120,11 @@ def worker(rank, port, out):
     res["fsdp"] += train(model, model, opts, rank, range(SAVE_AT, STEPS))
 
     # the wrong variant: Muon orthogonalises the local shard only
-    right = nanotrain.optim.orthogonalize
-    nanotrain.optim.orthogonalize = local_only
+    right = nanotrain.muon._rows_to_matrices
+    nanotrain.muon._rows_to_matrices = local_only
     model = fsdp_model()
     res["wrong"] = train(model, model, setup_optimizers(model, **OPT), rank, range(STEPS))
-    nanotrain.optim.orthogonalize = right
+    nanotrain.muon._rows_to_matrices = right
 
     # FSDP checkpoint -> plain model under DDP: identical parameters, then the same losses as the DDP run
     ck = load_checkpoint(out + "/fsdp/checkpoints/step_%06d" % SAVE_AT, CPU, rank)
@@ -167,11 +169,11 @@ def worker(rank, port, out):
     w, grad = torch.randn(5, 3), torch.randn(5, 3)
     plain = torch.nn.Parameter(w.clone())
     plain.grad = grad.clone()
-    nanotrain.optim.Muon([plain]).step()
+    nanotrain.muon.Muon([plain]).step()
     mesh = model.wte.weight.device_mesh
     sharded = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
     sharded.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
-    nanotrain.optim.Muon([sharded]).step()
+    nanotrain.muon.Muon([sharded]).step()
     res["uneven_muon"] = (sharded.full_tensor() - plain).abs().max().item()
     res["uneven_local_rows"] = sharded.to_local().shape[0]
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))

@@ -1,4 +1,4 @@
-"""Tests for nanotrain/optim.py (and the optimizers of nanotrain/gpt.py) on CPU in fp32."""
+"""Tests for nanotrain/muon.py (and setup_optimizers of nanotrain/optim.py) on CPU in fp32."""
 
 import copy
 import math
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from nanotrain.gpt import GPT, GPTConfig
-from nanotrain.optim import Muon, normalize_variance, orthogonalize, setup_optimizers, zeropower_via_newtonschulz5
+from nanotrain.muon import Muon, normalize_variance, zeropower_via_newtonschulz5
+from nanotrain.optim import setup_optimizers
 
 pytestmark = pytest.mark.unit
 
@@ -135,7 +136,7 @@ def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import nanotrain.common as hardware
-    import nanotrain.optim as muon
+    import nanotrain.muon as muon
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: None)  # a CPU that lists no flags: measured
     for bf16_speed, expected in ((4.5, torch.bfloat16), (1.5, torch.float32), (0.25, torch.float32)):
@@ -164,11 +165,12 @@ def test_ns_dtype_is_measured_per_cpu_and_pinnable(monkeypatch):
     def ns_spy(G, steps=5, dtype=None, polar_express=False):
         reached.append(dtype)
         return real_ns(G, steps, dtype, polar_express)
-    monkeypatch.setattr(muon, "zeropower_via_newtonschulz5", ns_spy)
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         q = torch.nn.Parameter(w.clone())
         q.grad = g.clone()
-        Muon([q], lr=0.1, momentum=0.95, ns_dtype=name).step()
+        opt = Muon([q], lr=0.1, momentum=0.95, ns_dtype=name)
+        opt.fns["zeropower"] = ns_spy
+        opt.step()
         assert reached[-1] == dtype and q.dtype == torch.float32
         results[name] = q.detach()
     assert not torch.equal(results["float32"], results["bfloat16"])  # the setting reaches the computation
@@ -261,16 +263,17 @@ def test_cautious_weight_decay_decays_only_where_the_update_agrees():
 def test_defaults_are_plain_muon():
     """
     The documented defaults: Muon(params) is plain Muon (lr 0.02, momentum 0.95, Nesterov, 5 steps of the fixed
-    quintic, dtype chosen per device, no NorMuon, no weight decay), and orthogonalize(u) is 5 steps of the fixed
-    quintic. Catches a default that turns an option on (Polar Express, decay) or changes the lr or the step count.
+    quintic, dtype chosen per device, no NorMuon, no weight decay), and zeropower_via_newtonschulz5(u) is 5 steps of
+    the fixed quintic. Catches a default that turns an option on (Polar Express, decay) or changes the lr or the step
+    count.
     """
     opt = Muon([torch.nn.Parameter(torch.randn(4, 8))])
     assert opt.defaults == dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="", polar_express=False,
                                 beta2=0.0, weight_decay=0.0)
     G = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
     plain = zeropower_via_newtonschulz5(G, 5, torch.float32, polar_express=False)
-    assert torch.equal(orthogonalize(G, dtype=torch.float32), plain)
-    assert torch.equal(orthogonalize(G, dtype=torch.float32, then=lambda u: u.flip(0)), plain.flip(0))  # then: applied
+    assert torch.equal(zeropower_via_newtonschulz5(G, dtype=torch.float32), plain)
+    assert not torch.equal(zeropower_via_newtonschulz5(G, 4, torch.float32), plain)
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -333,7 +336,7 @@ def test_ns_dtype_for_other_devices_and_the_2x_bar(monkeypatch):
     missing dtype, `>` for `>=` and a 3x bar.
     """
     import nanotrain.common as hardware
-    import nanotrain.optim as muon
+    import nanotrain.muon as muon
 
     monkeypatch.setattr(hardware, "_FAST_BF16", {})
     assert muon.ns_dtype_for("cuda") == torch.bfloat16 and muon.ns_dtype_for(torch.device("cuda", 1)) == torch.bfloat16
@@ -354,7 +357,7 @@ def test_ns_dtype_for_reads_the_cpu_flags_without_timing(monkeypatch):
     decides), the flag names misspelled, and either flag alone not counting.
     """
     import nanotrain.common as hardware
-    import nanotrain.optim as muon
+    import nanotrain.muon as muon
 
     def timing(*args):
         raise AssertionError("timed although the CPU lists its flags")
@@ -366,34 +369,39 @@ def test_ns_dtype_for_reads_the_cpu_flags_without_timing(monkeypatch):
         assert muon.ns_dtype_for("cpu") == expected, flags
 
 
-def test_orthogonalize_a_dtensor_whole_then_cut_back(one_rank_mesh, monkeypatch):
+def test_muon_on_a_dtensor_equals_the_plain_step(one_rank_mesh, monkeypatch):
     """
-    orthogonalize of a DTensor sharded on dim 0 (FSDP2's layout; one rank here) gives a DTensor with the same
-    placements whose full tensor is bit-identical to the plain matrix's, for a tall and a wide update, with and without
-    Polar Express; `then` receives the whole orthogonalised matrix as a plain tensor; the ranks' CPU dtype agreement
-    (ns_dtype_for under a process group) names a valid device. Catches the DTensor path skipped (DTensor ops all the
-    way: `then` would get a DTensor), an argument dropped or defaulted on that path (steps, dtype, Polar Express),
-    `then` skipped or given the wrong tensor, and a result not cut back to the update's placements.
+    Muon on DTensor parameters sharded on dim 0 (FSDP2's layout; one rank here) gives the plain step's parameters and
+    momentum buffers bit for bit, for a tall and a wide matrix, with NorMuon, cautious weight decay and Polar Express
+    on and off; the buffers stay DTensors with the parameters' placements, the second moments plain tensors; the
+    ranks' CPU dtype agreement (ns_dtype_for under a process group) names a valid device. Catches the DTensor path
+    computing on DTensors (a second moment that is a DTensor), the update not written into the local shard (the
+    parameter unchanged) and an option dropped on that path.
     """
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     import nanotrain.common as hardware
-    import nanotrain.optim as muon
-
-    seen = []
-
-    def then(u):
-        seen.append(type(u))
-        return 2 * u
+    import nanotrain.muon as muon
 
     gen = torch.Generator().manual_seed(0)
-    for shape in ((12, 8), (8, 12)):
-        G = torch.randn(*shape, generator=gen)
-        for pe in (False, True):
-            want = 2 * zeropower_via_newtonschulz5(G, 5, torch.float32, polar_express=pe)
-            got = orthogonalize(distribute_tensor(G, one_rank_mesh, [Shard(0)]), 5, torch.float32, pe, then)
-            assert isinstance(got, DTensor) and got.placements == (Shard(0),)
-            assert torch.equal(got.full_tensor(), want), (shape, pe)
-    assert seen and all(t is torch.Tensor for t in seen), seen
+    for pe in (False, True):
+        ws = [torch.randn(12, 8, generator=gen), torch.randn(8, 12, generator=gen)]
+        gs = [torch.randn_like(w) for w in ws]
+        kw = dict(lr=0.1, ns_dtype="float32", polar_express=pe, beta2=0.9, weight_decay=0.5)
+        plain = [torch.nn.Parameter(w.clone()) for w in ws]
+        sharded = [torch.nn.Parameter(distribute_tensor(w.clone(), one_rank_mesh, [Shard(0)])) for w in ws]
+        opts = Muon(plain, **kw), Muon(sharded, **kw)
+        for _ in range(2):
+            for p, q, g in zip(plain, sharded, gs):
+                p.grad, q.grad = g.clone(), distribute_tensor(g.clone(), one_rank_mesh, [Shard(0)])
+            for opt in opts:
+                opt.step()
+        for p, q, w in zip(plain, sharded, ws):
+            assert not torch.equal(p.detach(), w)
+            assert isinstance(q, DTensor) and torch.equal(q.full_tensor(), p.detach()), pe
+            buf = opts[1].state[q]["momentum_buffer"]
+            assert isinstance(buf, DTensor) and buf.placements == (Shard(0),)
+            assert torch.equal(buf.full_tensor(), opts[0].state[p]["momentum_buffer"])
+            assert type(opts[1].state[q]["second_moment"]) is torch.Tensor
     monkeypatch.setattr(hardware, "_FAST_BF16", {})
     assert muon.ns_dtype_for("cpu") in (torch.float32, torch.bfloat16)  # the collective ran on a real device

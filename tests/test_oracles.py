@@ -427,7 +427,7 @@ def test_newton_schulz_on_a_diagonal_matrix_is_the_hand_sequence():
     and 5 steps, is the hand sequence above. Catches wrong or reordered coefficients, a spectral instead of Frobenius
     normalisation, a missing transpose back, and a step count off by one.
     """
-    from nanotrain.optim import zeropower_via_newtonschulz5
+    from nanotrain.muon import zeropower_via_newtonschulz5
     wide = torch.tensor([[3.0, 0.0, 0.0], [0.0, 4.0, 0.0]])
     for steps, (s1, s2) in ((1, NS_1_STEP), (5, NS_5_STEPS)):
         want = torch.tensor([[s1, 0.0, 0.0], [0.0, s2, 0.0]])
@@ -446,7 +446,7 @@ def test_muon_first_step_is_the_hand_value(nesterov):
     Catches a missing or inverted aspect-ratio scale (sqrt(2/3) on a tall matrix), an lr ignored or applied twice, and
     an update that is not orthogonalised.
     """
-    from nanotrain.optim import Muon
+    from nanotrain.muon import Muon
     p = torch.nn.Parameter(torch.zeros(3, 2))
     p.grad = torch.tensor([[3.0, 0.0], [0.0, 4.0], [0.0, 0.0]])
     Muon([p], lr=0.1, momentum=0.9, nesterov=nesterov, ns_dtype="float32").step()

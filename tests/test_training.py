@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import grads, rel, tiny_model
 
-from nanotrain.optim import Muon
+from nanotrain.muon import Muon
 from nanotrain.run import MetricsLog
 from nanotrain.training import forward_backward, micro_batches, muon_momentum
 
