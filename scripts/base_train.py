@@ -297,7 +297,7 @@ def main():
     print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "
            f"{total_steps * total_batch_size / num_params:.1f} tokens/param)")
-    print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
+    print0(f"MFU peak: {'n/a' if peak_flops is None else f'{peak_flops:.3e} FLOP/s per device'} ({peak_source})")
     print0(f"Validation: {eval_steps * device_batch_size * max_seq_len * world_size:,} tokens per evaluation "
            f"({eval_steps} batches of {device_batch_size} x {max_seq_len}{f' x {world_size} ranks' if world_size > 1 else ''}"
            f"), {f'every {eval_every} steps and ' if eval_every > 0 else ''}at the end; the first prints its ETA after "

@@ -335,7 +335,7 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
         "flops_per_token": s.flops_per_token,
         "achieved_flops": achieved,
         "peak_flops": peak, "peak_flops_source": peak_source, "peak_flops_samples": peak_samples,
-        "mfu": achieved / peak,
+        "mfu": None if peak is None else achieved / peak,
         "peak_memory_bytes": mem, "peak_memory_source": mem_source,
         "rss_peak_delta_bytes": rss_delta,
         "loader_tokens_per_sec": loader_tps,
@@ -352,6 +352,8 @@ def busy_machine_warnings(results, system):
     """
     out = []
     for r in results:
+        if None in r["peak_flops_samples"]:  # a GPU not in GPU_PEAK_FLOPS: no peak, MFU n/a
+            continue
         lo, hi = min(r["peak_flops_samples"]), max(r["peak_flops_samples"])
         if hi > 1.15 * lo:
             out.append(f"matmul peak samples differ by {100 * (hi / lo - 1):.0f}% ({lo / 1e9:.0f} vs {hi / 1e9:.0f} "

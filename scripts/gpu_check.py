@@ -286,7 +286,7 @@ def parse_d20(run_dir, output, steps_wanted):
             "training_oom_count": output.count("out of memory at device_batch_size="),
             "steps": len(rows), "first_step_s": rows[0]["dt"],
             "tokens_per_sec": statistics.median(r["tok_per_sec"] for r in steady),
-            "mfu": statistics.median(r["mfu"] for r in steady), "final_loss": rows[-1]["loss"]}
+            "mfu": median_mfu(steady), "final_loss": rows[-1]["loss"]}
 
 
 def parse_train(run_dir, steps_wanted):
@@ -299,7 +299,12 @@ def parse_train(run_dir, steps_wanted):
     ab_path = os.path.join(run_dir, "auto_batch_size.json")
     found = read_json(ab_path)["device_batch_size"] if os.path.exists(ab_path) else None
     return {"device_batch_size": found, "tokens_per_sec": statistics.median(r["tok_per_sec"] for r in rows[1:]),
-            "mfu": statistics.median(r["mfu"] for r in rows[1:])}
+            "mfu": median_mfu(rows[1:])}
+
+
+def median_mfu(rows):
+    """The median MFU of metrics rows, None when the card's peak is unknown (rows log mfu None)."""
+    return None if any(r["mfu"] is None for r in rows) else statistics.median(r["mfu"] for r in rows)
 
 
 def parse_bench(output):
