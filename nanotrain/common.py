@@ -6,8 +6,9 @@ It imports only nanotrain.errors; every other module may import it. What the dev
 nanotrain.common.
 
 What the device can do: wait for its queued work, whether it computes bf16 matmuls fast (fast_bf16: the default
-compute dtype and Muon's Newton-Schulz dtype both ask it), its peak FLOP/s for MFU (the datasheet figure of a GPU known by
-exact name, none for any other GPU, a measured matmul throughput on CPU/MPS), and whether torch.compile can build on it.
+compute dtype and Muon's Newton-Schulz dtype both ask it), its peak FLOP/s for MFU (the datasheet figure of a GPU
+known by exact name, none for any other GPU, a measured matmul throughput on CPU/MPS), and whether torch.compile can
+build on it.
 """
 
 import atexit
@@ -353,27 +354,25 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
-# Dense bf16 peak FLOP/s (no 2:4 sparsity; bf16 inputs, fp32 accumulate, as torch's bf16 matmuls run), keyed by the
-# exact name torch.cuda.get_device_name returns (one card per name: an "H100 PCIe" is not an "H100 80GB HBM3"; a
-# MIG slice's name carries a suffix and is not in the table). Where a datasheet prints only the figure with sparsity
-# ("*"), the dense figure is half of it. Sources (vendor documents):
-#   Hopper whitepaper: "NVIDIA H100 Tensor Core GPU Architecture" (WP-10792-001), table of H100 SXM5 / PCIe peaks,
-#     https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper
+# name -> (dense bf16 peak FLOP/s, where the figure comes from): no 2:4 sparsity; bf16 inputs, fp32 accumulate, as
+# torch's bf16 matmuls run. The key is the exact name torch.cuda.get_device_name returns (one card per name: an
+# "H100 PCIe" is not an "H100 80GB HBM3"; a MIG slice's name carries a suffix and is not in the table). Where a
+# datasheet prints only the figure with sparsity ("*"), the dense figure is half of it. Sources (vendor documents):
+#   Hopper whitepaper (H100 SXM5 / PCIe): https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper
 #   H100 datasheet: https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
 #   H200 datasheet: https://www.nvidia.com/en-us/data-center/h200/
-#   GH200 datasheet: "NVIDIA GH200 Grace Hopper Superchip", https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip
-#   Blackwell datasheets: "NVIDIA DGX B200" / "HGX B100, B200" / "GB200 NVL72", https://www.nvidia.com/en-us/data-center/hgx/
-#     and https://www.nvidia.com/en-us/data-center/gb200-nvl72/
+#   GH200 datasheet: https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip
+#   Blackwell datasheets: "NVIDIA DGX B200" / "HGX B100, B200" / "GB200 NVL72",
+#     https://www.nvidia.com/en-us/data-center/hgx/ and https://www.nvidia.com/en-us/data-center/gb200-nvl72/
 #   A100 datasheet: nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, https://www.nvidia.com/en-us/data-center/a100/
-#   A10 / A30 / A40 / L4 / L40 / L40S datasheets: https://www.nvidia.com/en-us/data-center/<card>/
+#   A10 / A30 / A40 / L4 / L40 / L40S datasheets: https://www.nvidia.com/en-us/data-center/<card>/; RTX A6000
+#   datasheet: https://www.nvidia.com/en-us/design-visualization/rtx-a6000/
 #   Ampere GA102 whitepaper: "NVIDIA Ampere GA102 GPU Architecture" (RTX 3090: BF16 with FP32 accumulate),
 #     https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf
 #   Ada whitepaper: "NVIDIA Ada GPU Architecture" (RTX 4090, RTX 6000 Ada: BF16 with FP32 accumulate),
 #     https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf
-#   RTX A6000 datasheet: https://www.nvidia.com/en-us/design-visualization/rtx-a6000/
 #   AMD Instinct MI300X / MI325X datasheets: https://www.amd.com/en/products/accelerators/instinct/mi300.html
 GPU_PEAK_FLOPS = {
-    # name: (dense bf16 FLOP/s, where the figure comes from)
     "NVIDIA H100 80GB HBM3": (989.4e12, "H100 SXM5, Hopper whitepaper: 989.4 TFLOP/s (1,978.9 sparse)"),
     "NVIDIA H100 PCIe": (756e12, "H100 PCIe, Hopper whitepaper: 756 TFLOP/s (1,513 sparse)"),
     "NVIDIA H100 NVL": (835.5e12, "H100 NVL, H100 datasheet: 1,671 TFLOP/s sparse per GPU"),

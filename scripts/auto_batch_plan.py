@@ -83,8 +83,8 @@ def main():
     else:
         print("Measured with fake CUDA tensors (live tensor bytes, rounded to 512 B like the caching allocator).")
     if compile:
-        print(f"Compiled step: the eager step's estimate x {COMPILED_OVER_EAGER:.3f}, the compiled step's reserved peak "
-              f"over the eager one's as measured on one H200 (depth 20, T = 2048, 32 rows, no checkpointing: 72.89 "
+        print(f"Compiled step: the eager step's estimate x {COMPILED_OVER_EAGER:.3f}, the compiled step's reserved "
+              f"peak over the eager one's as measured on one H200 (depth 20, T = 2048, 32 rows, no checkpointing: 72.89 "
               f"against 64.86 GiB); --compile=False plans the eager step. On CUDA the finder probes the compiled step "
               f"itself.")
     print("recompute: the share of extra FLOPs of a training step under the policy (torch.utils.flop_counter: matmuls "

@@ -13,10 +13,10 @@ setup_optimizers) and every timed step is base_train's: the loader's next_batch,
 the loss sync, optimizer_step. Needs a tokenizer (python scripts/tok_train.py) and the data (--data, builtin default).
 
 MFU = flops_per_token (GPT.estimate_flops) * tokens/s / peak. Peak on CUDA: the datasheet table
-nanotrain.common.GPU_PEAK_FLOPS (bf16 dense, by exact card name; a card not in it: peak and mfu null); on CPU: the (n=1024) matmul throughput in the run's dtype measured in
-this process before and after the timed steps, the larger of the two (a busy machine lowers it, which would inflate
-MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
-torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
+nanotrain.common.GPU_PEAK_FLOPS (bf16 dense, by exact card name; a card not in it: peak and mfu null); on CPU: the
+(n=1024) matmul throughput in the run's dtype measured in this process before and after the timed steps, the larger
+of the two (a busy machine lowers it, which would inflate MFU; "warnings" says when the samples disagree or the load
+average exceeds the cores). Peak memory on CUDA: torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
 (nanotrain.auto_batch_size.probe.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
 RSS (getrusage) over the run. --activation_checkpointing=selective (or full) measures the checkpointed step (both the
 timing and the memory estimate), e.g. --vs="--activation_checkpointing=selective" for its cost in tokens/s.

@@ -132,7 +132,7 @@ def test_cpu_recipe_flags_are_the_old_defaults():
 
 
 def speedrun_commands():
-    """The scripts/*.py commands of runs/speedrun.sh: [(script path, [--name=value, ...])], continuation lines joined."""
+    """The scripts/*.py commands of runs/speedrun.sh: [(script path, [--name=value, ...])], continued lines joined."""
     import re
     import shlex
 
