@@ -6,8 +6,9 @@ It imports only nanotrain.errors; every other module may import it. What the dev
 nanotrain.common.
 
 What the device can do: wait for its queued work, whether it computes bf16 matmuls fast (fast_bf16: the default
-compute dtype and Muon's Newton-Schulz dtype both ask it), its peak FLOP/s for MFU (a datasheet figure on known GPUs,
-a measured matmul throughput elsewhere), and whether torch.compile can build on it.
+compute dtype and Muon's Newton-Schulz dtype both ask it), its peak FLOP/s for MFU (the datasheet figure of a GPU
+known by exact name, none for any other GPU, a measured matmul throughput on CPU/MPS), and whether torch.compile can
+build on it.
 """
 
 import atexit
@@ -353,17 +354,52 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
-# bf16 dense peak FLOP/s of known accelerators, from the vendors' datasheets
-# (NVIDIA H100 SXM / H200 SXM datasheet: 989.4 TFLOPS dense bf16; A100 datasheet: 312 TFLOPS bf16).
-GPU_PEAK_FLOPS = [
-    ("H200", 989e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A10", 125e12),
-    ("4090", 165e12),
-    ("3090", 71e12),
-]
+# name -> (dense bf16 peak FLOP/s, where the figure comes from): no 2:4 sparsity; bf16 inputs, fp32 accumulate, as
+# torch's bf16 matmuls run. The key is the exact name torch.cuda.get_device_name returns (one card per name: an
+# "H100 PCIe" is not an "H100 80GB HBM3"; a MIG slice's name carries a suffix and is not in the table). Where a
+# datasheet prints only the figure with sparsity ("*"), the dense figure is half of it. Sources (vendor documents):
+#   Hopper whitepaper (H100 SXM5 / PCIe): https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper
+#   H100 datasheet: https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
+#   H200 datasheet: https://www.nvidia.com/en-us/data-center/h200/
+#   GH200 datasheet: https://resources.nvidia.com/en-us-grace-cpu/grace-hopper-superchip
+#   Blackwell datasheets: "NVIDIA DGX B200" / "HGX B100, B200" / "GB200 NVL72",
+#     https://www.nvidia.com/en-us/data-center/hgx/ and https://www.nvidia.com/en-us/data-center/gb200-nvl72/
+#   A100 datasheet: nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, https://www.nvidia.com/en-us/data-center/a100/
+#   A10 / A30 / A40 / L4 / L40 / L40S datasheets: https://www.nvidia.com/en-us/data-center/<card>/; RTX A6000
+#   datasheet: https://www.nvidia.com/en-us/design-visualization/rtx-a6000/
+#   Ampere GA102 whitepaper: "NVIDIA Ampere GA102 GPU Architecture" (RTX 3090: BF16 with FP32 accumulate),
+#     https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf
+#   Ada whitepaper: "NVIDIA Ada GPU Architecture" (RTX 4090, RTX 6000 Ada: BF16 with FP32 accumulate),
+#     https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf
+#   AMD Instinct MI300X / MI325X datasheets: https://www.amd.com/en/products/accelerators/instinct/mi300.html
+GPU_PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": (989.4e12, "H100 SXM5, Hopper whitepaper: 989.4 TFLOP/s (1,978.9 sparse)"),
+    "NVIDIA H100 PCIe": (756e12, "H100 PCIe, Hopper whitepaper: 756 TFLOP/s (1,513 sparse)"),
+    "NVIDIA H100 NVL": (835.5e12, "H100 NVL, H100 datasheet: 1,671 TFLOP/s sparse per GPU"),
+    "NVIDIA H200": (989.4e12, "H200 SXM, H200 datasheet: 1,979 TFLOP/s sparse (the H100 SXM5's GPU and clocks)"),
+    "NVIDIA H200 NVL": (835.5e12, "H200 NVL, H200 datasheet: 1,671 TFLOP/s sparse"),
+    "NVIDIA GH200 480GB": (989.4e12, "GH200 (96 GB HBM3), GH200 datasheet: 1,979 TFLOP/s sparse"),
+    "NVIDIA GH200 144G HBM3e": (989.4e12, "GH200 (144 GB HBM3e), GH200 datasheet: 1,979 TFLOP/s sparse"),
+    "NVIDIA B200": (2250e12, "B200, HGX B200 datasheet: 4.5 PFLOP/s sparse per GPU"),
+    "NVIDIA B100": (1750e12, "B100, HGX B100 datasheet: 3.5 PFLOP/s sparse per GPU"),
+    "NVIDIA GB200": (2500e12, "GB200, GB200 NVL72 datasheet: 5 PFLOP/s sparse per GPU"),
+    "NVIDIA A100-SXM4-80GB": (312e12, "A100 SXM4 80GB, A100 datasheet: 312 TFLOP/s"),
+    "NVIDIA A100-SXM4-40GB": (312e12, "A100 SXM4 40GB, A100 datasheet: 312 TFLOP/s"),
+    "NVIDIA A100 80GB PCIe": (312e12, "A100 PCIe 80GB, A100 datasheet: 312 TFLOP/s"),
+    "NVIDIA A100-PCIE-40GB": (312e12, "A100 PCIe 40GB, A100 datasheet: 312 TFLOP/s"),
+    "NVIDIA A10": (125e12, "A10, A10 datasheet: 125 TFLOP/s"),
+    "NVIDIA A30": (165e12, "A30, A30 datasheet: 165 TFLOP/s"),
+    "NVIDIA A40": (149.7e12, "A40, A40 datasheet: 149.7 TFLOP/s"),
+    "NVIDIA RTX A6000": (154.8e12, "RTX A6000, RTX A6000 datasheet: 309.7 TFLOP/s tensor, sparse"),
+    "NVIDIA L4": (121e12, "L4, L4 datasheet: 242 TFLOP/s sparse"),
+    "NVIDIA L40": (181.05e12, "L40, L40 datasheet: 181.05 TFLOP/s"),
+    "NVIDIA L40S": (362.05e12, "L40S, L40S datasheet: 362.05 TFLOP/s"),
+    "NVIDIA RTX 6000 Ada Generation": (364.2e12, "RTX 6000 Ada, Ada whitepaper: 364.2 TFLOP/s"),
+    "NVIDIA GeForce RTX 4090": (165.2e12, "RTX 4090, Ada whitepaper: 165.2 TFLOP/s with FP32 accumulate"),
+    "NVIDIA GeForce RTX 3090": (71e12, "RTX 3090, GA102 whitepaper: 71 TFLOP/s with FP32 accumulate"),
+    "AMD Instinct MI300X": (1307.4e12, "MI300X, MI300X datasheet: 1,307.4 TFLOP/s"),
+    "AMD Instinct MI325X": (1307.4e12, "MI325X, MI325X datasheet: 1,307.4 TFLOP/s"),
+}
 
 
 def cpu_flags(path="/proc/cpuinfo"):
@@ -407,16 +443,17 @@ def measure_matmul_flops(dtype=torch.float32, n=1024, seconds=1.0, device="cpu")
 
 def get_peak_flops(device, dtype=torch.float32):
     """
-    Peak FLOP/s used for MFU. On CUDA: the bf16 dense figure of a known device from GPU_PEAK_FLOPS, or the measured
-    matmul throughput if the device is not in the table. On CPU/MPS: the matmul throughput measured now in `dtype`.
-    Returns (flops_per_second, source description).
+    Peak FLOP/s used for MFU, as (flops_per_second or None, source description). On CUDA (and ROCm): the dense bf16
+    datasheet figure of the card whose exact torch.cuda.get_device_name is a key of GPU_PEAK_FLOPS; for any other
+    card None (the run logs "MFU n/a": a guessed or measured peak would make the MFU incomparable), with a source
+    that names the card. On CPU/MPS: the matmul throughput measured now in `dtype`.
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_FLOPS:
-            if key in name:
-                return flops, f"{name} bf16 dense datasheet peak"
-        return measure_matmul_flops(torch.bfloat16, 4096, 1.0, device), f"{name} measured bf16 matmul"
+        if name in GPU_PEAK_FLOPS:
+            flops, source = GPU_PEAK_FLOPS[name]
+            return flops, f"{name}: dense bf16 datasheet peak ({source})"
+        return None, f"{name}: not in nanotrain.common.GPU_PEAK_FLOPS, MFU n/a"
     flops = measure_matmul_flops(dtype, 1024, 0.3, device)
     return flops, f"measured {str(dtype).replace('torch.', '')} matmul on {device.type}"
 

@@ -166,7 +166,7 @@ class MetricsLog:
                 self.close()
                 raise
             if self.wandb is not None:
-                self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row.get("step"))
+                self.wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row.get("step"))
 
     def close(self):
         """Closes the file; a row that still cannot be written (a full disk) is dropped: the file is closed anyway."""
@@ -330,15 +330,17 @@ def step_log_line(step, total_steps, *, loss, grad_norm, lrm, dt, tokens, flops_
     The one-line log of optimizer step `step` of `total_steps` and its metrics row (a dict: step, loss, lrm, dt,
     tok_per_sec, mfu). loss: the global mean (float); grad_norm: float or None (not shown); lrm: the lr multiplier;
     dt: the step's wall time in seconds; tokens: the tokens of the step on all ranks; flops_per_token: training FLOPs
-    per token; peak_flops: one device's peak FLOP/s; eta_s: the seconds left (ETA.update), None: the steps left times
+    per token; peak_flops: one device's peak FLOP/s, None where it is not known (the line says "mfu n/a" and the row's
+    mfu is None: never a guessed peak); eta_s: the seconds left (ETA.update), None: the steps left times
     dt. Returns (line, row).
     """
     tok_per_sec = tokens / dt
-    mfu = flops_per_token * tokens / dt / (peak_flops * world_size)
+    mfu = None if peak_flops is None else flops_per_token * tokens / dt / (peak_flops * world_size)
     eta = (total_steps - step) * dt if eta_s is None else eta_s
     gn = f" | grad norm {grad_norm:.3f}" if grad_norm is not None else ""
+    mfu_s = "n/a" if mfu is None else f"{100 * mfu:.1f}%"
     line = (f"step {step:05d}/{total_steps:05d} ({100 * step / total_steps:.1f}%) | loss {loss:.6f}{gn} | "
-            f"lrm {lrm:.3f} | dt {dt * 1000:.1f}ms | tok/s {tok_per_sec:,.0f} | mfu {100 * mfu:.1f}% | "
+            f"lrm {lrm:.3f} | dt {dt * 1000:.1f}ms | tok/s {tok_per_sec:,.0f} | mfu {mfu_s} | "
             f"eta {eta / 60:.1f}m")
     row = dict(step=step, loss=loss, lrm=lrm, dt=dt, tok_per_sec=tok_per_sec, mfu=mfu)
     return line, row

@@ -24,8 +24,15 @@ python scripts/tok_train.py --data=fineweb-edu --vocab_size=32768 --max_chars=20
 # window on three of every four layers); nanotrain has it (--window_pattern=SSSL: flash-attn 2's window or
 # flex_attention on CUDA), but it stays off here until the GPU check has measured its tokens/s on a card.
 echo "speedrun: attention windows L (full causal on every layer); --window_pattern=SSSL is not yet measured on a GPU"
+# Architecture and Muon as nanochat HEAD (karpathy/nanochat 92d63d4, nanochat/gpt.py and scripts/base_train.py) has
+# them on, until an A/B on a GPU says otherwise: smear, backout, x0 / resid lambdas, rotary base 100,000 and queries
+# and keys scaled by 1.2 each (--qk_scale=1.44), NorMuon (beta2 0.9), Muon's momentum 0.85 -> 0.97 over 400 steps and
+# down to 0.90 over the warmdown. base_train's own defaults (off) are the CPU ablations' (dev/LOG.md); the README
+# lists where the GPU recipe still differs from nanochat.
 torchrun --standalone --nproc_per_node=$NPROC scripts/base_train.py --data=fineweb-edu --depth=24 --run_name=d24 \
-    --target_param_data_ratio=8 --auto_batch_size=True
+    --target_param_data_ratio=8 --auto_batch_size=True \
+    --smear=True --backout=True --x0_lambdas=True --rotary_base=100000 --qk_scale=1.44 \
+    --muon_beta2=0.9 --momentum=0.97 --momentum_warmup=400 --final_momentum=0.90
 
 # 3. CORE of the final model (the DCLM 22-task metric as nanochat computes it; downloads the ~162 MB eval bundle once;
 #    GPT-2 1.5B scores 0.2565, see the README's "Base model evaluation (CORE)")

@@ -117,12 +117,13 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
-activation_checkpointing = "none"  # none|selective|full|auto; nanotrain/gpt.py
+activation_checkpointing = None  # none|selective|full|auto (nanotrain/gpt.py); None: auto on CUDA if discovered, else none
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
                                           "muon_weight_decay": (float,), "final_momentum": (float,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,),
-                                          "eval_tokens": (int,), "short_window": (int,)})
+                                          "eval_tokens": (int,), "short_window": (int,),
+                                          "activation_checkpointing": (str,)})
 # -----------------------------------------------------------------------------
 
 # settings a resume must share with its checkpoint (device_batch_size may change: the same tokens)
@@ -139,7 +140,9 @@ def main():
     # nanochat's evaluation size is sized for 8 GPUs: 10.5 M tokens would take ~20 minutes on a CPU at depth 4
     eval_tokens = config["eval_tokens"] = config["eval_tokens"] or (20 * 2**19 if device.type == "cuda" else 2**20)
     use_compile = training.resolve_compile(compile, device)  # None: on for CUDA, off elsewhere
-    ac_policy = policy_name(activation_checkpointing, allow_auto=True)  # auto: chosen with the device batch size
+    config["activation_checkpointing"] = training.resolve_activation_checkpointing(
+        activation_checkpointing, device, config["device_batch_size"] is None and auto_batch_size)
+    ac_policy = policy_name(config["activation_checkpointing"], allow_auto=True)  # auto: chosen with the batch size
     use_fsdp = fsdp and world_size > 1
     if fsdp and not use_fsdp:
         print0("--fsdp=True with one process: nothing to shard, training without FSDP")
@@ -299,7 +302,7 @@ def main():
     print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, "
            f"{total_steps * total_batch_size / num_params:.1f} tokens/param)")
-    print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
+    print0(f"MFU peak: {'n/a' if peak_flops is None else f'{peak_flops:.3e} FLOP/s per device'} ({peak_source})")
     print0(f"Validation: {eval_steps * device_batch_size * max_seq_len * world_size:,} tokens per evaluation "
            f"({eval_steps} batches of {device_batch_size} x {max_seq_len}{f' x {world_size} ranks' if world_size > 1 else ''}"
            f"), {f'every {eval_every} steps and ' if eval_every > 0 else ''}at the end; the first prints its ETA after "

@@ -13,10 +13,10 @@ setup_optimizers) and every timed step is base_train's: the loader's next_batch,
 the loss sync, optimizer_step. Needs a tokenizer (python scripts/tok_train.py) and the data (--data, builtin default).
 
 MFU = flops_per_token (GPT.estimate_flops) * tokens/s / peak. Peak on CUDA: the datasheet table
-nanotrain.common.GPU_PEAK_FLOPS (bf16 dense); on CPU: the (n=1024) matmul throughput in the run's dtype measured in
-this process before and after the timed steps, the larger of the two (a busy machine lowers it, which would inflate
-MFU; "warnings" says when the samples disagree or the load average exceeds the cores). Peak memory on CUDA:
-torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
+nanotrain.common.GPU_PEAK_FLOPS (bf16 dense, by exact card name; a card not in it: peak and mfu null); on CPU: the
+(n=1024) matmul throughput in the run's dtype measured in this process before and after the timed steps, the larger
+of the two (a busy machine lowers it, which would inflate MFU; "warnings" says when the samples disagree or the load
+average exceeds the cores). Peak memory on CUDA: torch.cuda.max_memory_allocated; on CPU: the MemTracker estimate of the eager training step
 (nanotrain.auto_batch_size.probe.measure_fake_peak, exact tensor bytes) and, separately, the growth of the process's peak
 RSS (getrusage) over the run. --activation_checkpointing=selective (or full) measures the checkpointed step (both the
 timing and the memory estimate), e.g. --vs="--activation_checkpointing=selective" for its cost in tokens/s.
@@ -335,7 +335,7 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
         "flops_per_token": s.flops_per_token,
         "achieved_flops": achieved,
         "peak_flops": peak, "peak_flops_source": peak_source, "peak_flops_samples": peak_samples,
-        "mfu": achieved / peak,
+        "mfu": None if peak is None else achieved / peak,
         "peak_memory_bytes": mem, "peak_memory_source": mem_source,
         "rss_peak_delta_bytes": rss_delta,
         "loader_tokens_per_sec": loader_tps,
@@ -352,6 +352,8 @@ def busy_machine_warnings(results, system):
     """
     out = []
     for r in results:
+        if None in r["peak_flops_samples"]:  # a GPU not in GPU_PEAK_FLOPS: no peak, MFU n/a
+            continue
         lo, hi = min(r["peak_flops_samples"]), max(r["peak_flops_samples"])
         if hi > 1.15 * lo:
             out.append(f"matmul peak samples differ by {100 * (hi / lo - 1):.0f}% ({lo / 1e9:.0f} vs {hi / 1e9:.0f} "

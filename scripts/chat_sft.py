@@ -304,7 +304,7 @@ def main():
     print0(f"Batch: {examples_per_step} conversations per step; micro-batches of <= {max_tokens_per_device:,} tokens "
            f"and <= {max_conversations_per_device} conversations per rank; {'packed' if packing else 'padded'} rows")
     print0(f"Steps: {total_steps:,} ({total_steps / epoch_steps:.2f} epochs of {epoch_steps} steps)")
-    print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
+    print0(f"MFU peak: {'n/a' if peak_flops is None else f'{peak_flops:.3e} FLOP/s per device'} ({peak_source})")
     metrics = run.open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):

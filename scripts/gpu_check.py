@@ -22,7 +22,8 @@ cut short still has what finished (gpu_check.json and gpu_check.log are rewritte
   pass B: the headline
   plan          scripts/auto_batch_plan.py for the depth-20 model, total batch and this card: the predicted batch
   d20_auto      torchrun --nproc_per_node=1 scripts/base_train.py --depth=20 --auto_batch_size=True, compiled on CUDA,
-                --d20_steps steps after discovery: the device batch found, the probes (real CUDA OOMs among them), the
+                --activation_checkpointing=none (base_train's CUDA default, auto, would probe a second policy past
+                D20_CAP_S), --d20_steps steps after discovery: the device batch found, the probes (real CUDA OOMs among them), the
                 peak against the limit, step-downs (OOMs during training), tokens/s and MFU (median after step 1),
                 and the device's peak used memory polled with nvidia-smi
   pass C: with the time left
@@ -286,7 +287,7 @@ def parse_d20(run_dir, output, steps_wanted):
             "training_oom_count": output.count("out of memory at device_batch_size="),
             "steps": len(rows), "first_step_s": rows[0]["dt"],
             "tokens_per_sec": statistics.median(r["tok_per_sec"] for r in steady),
-            "mfu": statistics.median(r["mfu"] for r in steady), "final_loss": rows[-1]["loss"]}
+            "mfu": median_mfu(steady), "final_loss": rows[-1]["loss"]}
 
 
 def parse_train(run_dir, steps_wanted):
@@ -299,7 +300,12 @@ def parse_train(run_dir, steps_wanted):
     ab_path = os.path.join(run_dir, "auto_batch_size.json")
     found = read_json(ab_path)["device_batch_size"] if os.path.exists(ab_path) else None
     return {"device_batch_size": found, "tokens_per_sec": statistics.median(r["tok_per_sec"] for r in rows[1:]),
-            "mfu": statistics.median(r["mfu"] for r in rows[1:])}
+            "mfu": median_mfu(rows[1:])}
+
+
+def median_mfu(rows):
+    """The median MFU of metrics rows, None when the card's peak is unknown (rows log mfu None)."""
+    return None if any(r["mfu"] is None for r in rows) else statistics.median(r["mfu"] for r in rows)
 
 
 def parse_bench(output):
@@ -369,6 +375,7 @@ def main():
     chk.run("d20_auto", [*torchrun, script("base_train.py"),
                          f"--depth={depth}", f"--max_seq_len={seq}", f"--total_batch_size={total}",
                          "--auto_batch_size=True", "--batch_size_cache=False", f"--num_iterations={d20_iters}",
+                         "--activation_checkpointing=none",  # as on 2026-11-28; auto would add a policy's probes
                          "--run_name=gpu_check_d20", "--eval_every=-1", f"--eval_tokens={total}", "--save_every=-1",
                          "--sample_every=-1", "--keep_last=1"] + memory, D20_CAP_S,
             lambda o: parse_d20(run_dir, o, d20_iters), poll_gpu=True)
@@ -385,7 +392,8 @@ def main():
                             "--num_iterations=8"])
     d12 += ["--compile=False", "--eval_every=-1", "--eval_tokens=1024", "--sample_every=-1", "--save_every=-1"]
     steps12 = 3 if dry_run else 8
-    for name, rows in (("d12_auto", ["--auto_batch_size=True", "--batch_size_cache=False"]),
+    for name, rows in (("d12_auto", ["--auto_batch_size=True", "--batch_size_cache=False",
+                                     "--activation_checkpointing=none"]),
                        ("d12_rows8", ["--device_batch_size=8"])):
         rd = os.path.join(chk.base, "base", f"gpu_check_{name}")
         chk.run(name, [py, script("base_train.py"), *d12, *rows, f"--run_name=gpu_check_{name}"], 90,

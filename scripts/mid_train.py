@@ -236,7 +236,7 @@ def main():
     print0(f"Total batch size {total_batch_size:,} tokens => gradient accumulation steps: {grad_accum_steps}")
     print0(f"Steps: {total_steps:,} ({total_steps * total_batch_size:,} tokens, {total_steps / epoch_steps:.2f} "
            f"epochs)")
-    print0(f"MFU peak: {peak_flops:.3e} FLOP/s per device ({peak_source})")
+    print0(f"MFU peak: {'n/a' if peak_flops is None else f'{peak_flops:.3e} FLOP/s per device'} ({peak_source})")
     metrics = run.open_run_log(run_dir, settings, ckpt["meta"]["step"] if ckpt is not None else None, master, device)
 
     def checkpoint(step, tokens_seen, train_time):

@@ -432,3 +432,20 @@ def test_mid_and_sft_take_the_same_policy_names(base_dir):
         line = bad.stderr.strip().splitlines()[-1]
         assert line.startswith("error: --activation_checkpointing='partial': expected") and "none|selective|full" in line
         assert not os.path.exists(os.path.join(base_dir, stage, "bad"))
+
+
+def test_base_train_default_policy_is_auto_on_cuda_with_a_discovered_batch():
+    """
+    base_train's --activation_checkpointing default (None) resolves to "auto" on CUDA when the device batch size is
+    discovered (the policy chosen with the batch, so depth 20 on an 80 GB card gets selective checkpointing and 32
+    rows rather than 16 without), and to "none" on CUDA with a given size and on CPU (the CPU recipe unchanged); a
+    given setting is kept. Catches an "auto" default on CPU (the recipe's step would change), one with a given
+    --device_batch_size (probes on every run), and a default that overrides the user's setting.
+    """
+    from nanotrain.training import resolve_activation_checkpointing as resolve
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve(None, cuda, discovered=True) == "auto"
+    assert resolve(None, cuda, discovered=False) == "none"
+    assert resolve(None, cpu, discovered=True) == "none" and resolve(None, cpu, discovered=False) == "none"
+    assert resolve("none", cuda, discovered=True) == "none" and resolve("full", cpu, discovered=False) == "full"

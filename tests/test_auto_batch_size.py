@@ -1175,6 +1175,30 @@ def test_plan_mode_prints_an_estimate_table():
     assert re.search(r"^\s+2 \| auto: (none|selective), device_batch_size=\d+, recompute 0\.0%", out.stdout, re.M)
 
 
+@pytest.mark.slow
+def test_plan_mode_plans_the_compiled_step():
+    """
+    Plan mode at depth 2 (T = 32, 1,024 tokens per step) on a 0.02 GiB budget: --compile=False (the eager step) finds
+    32 rows; the default --compile=True plans the compiled step, whose peak is larger (nanotrain.auto_batch_size.probe.
+    COMPILED_OVER_EAGER, measured on an H200), and finds 16 there, reporting the larger peak at 32 rows as not
+    fitting. Catches plan mode reporting the eager step's size for base_train's compiled CUDA step (a size the
+    compiled step cannot run: the 80 GB case at depth 20, 32 rows without checkpointing) and a --compile flag that
+    changes nothing. ~1 min on a loaded 2-core CPU (two plan runs).
+    """
+    args = [sys.executable, PLAN, "--depths=2", "--max_seq_len=32", "--vocab_size=256", "--total_batch_size=1024",
+            "--device_memory_gb=0.02"]
+    found, peak32 = {}, {}
+    for flag in ("--compile=False", "--compile=True"):
+        out = subprocess.run(args + [flag], capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        found[flag] = int(re.search(r"=> device_batch_size=(\d+)", out.stdout).group(1))
+        peak32[flag] = re.search(r"^\s+2 \|\s+none \|\s+[\d,]+ \|\s+32 \|\s+([\d.]+) \| (yes|no)$", out.stdout,
+                                 re.M).groups()
+    assert found == {"--compile=False": 32, "--compile=True": 16}
+    assert peak32["--compile=False"][1] == "yes" and peak32["--compile=True"][1] == "no"
+    assert "compiled step" in out.stdout and "x 1.124" in out.stdout
+
+
 @pytest.mark.smoke
 def test_plan_mode_flags_are_checked():
     """Catches: bad --depths or --margin reaching the measurement (a traceback, or a plan for a margin above 1)

@@ -211,3 +211,49 @@ def test_cpu_flags_from_literal_cpuinfo(tmp_path):
     assert cpu_flags(str(arm)) is None
     assert cpu_flags(str(tmp_path / "missing")) is None
     assert cpu_flags(str(odd)) is None
+
+
+# ----------------------------------------------------------------------------- peak FLOP/s by exact card name
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835.5),
+    ("NVIDIA H200", 989.4), ("NVIDIA H200 NVL", 835.5), ("NVIDIA GH200 480GB", 989.4),
+    ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
+    ("NVIDIA A10", 125), ("NVIDIA L4", 121), ("NVIDIA L40S", 362.05), ("NVIDIA B200", 2250),
+    ("NVIDIA GeForce RTX 4090", 165.2), ("AMD Instinct MI300X", 1307.4),
+    # cards of no entry: a substring of theirs names a known card
+    ("NVIDIA A10G", None), ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("NVIDIA GeForce RTX 4090 D", None),
+    ("NVIDIA H100 80GB HBM3 (emulated)", None), ("Some Future GPU 9000", None),
+])
+def test_peak_flops_by_exact_card_name(monkeypatch, name, tflops):
+    """
+    get_peak_flops on CUDA under stand-in card names: each known card gets its own datasheet figure (dense bf16, in
+    TFLOP/s: H100 PCIe 756 and NVL 835.5, not the SXM's 989.4), and a name that is not a key of GPU_PEAK_FLOPS gets
+    None with a source naming the card and "MFU n/a", without measuring anything. Catches the substring match (an
+    "H100 PCIe" or "H200 NVL" read as the SXM part, an "A10G" or a MIG slice read as an A10 / A100), a sparsity
+    figure used as the dense one, and a measured or guessed peak for an unknown card.
+    """
+    import nanotrain.common as common
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(common, "measure_matmul_flops", lambda *a, **k: pytest.fail("measured a CUDA peak"))
+    flops, source = common.get_peak_flops(torch.device("cuda"), torch.bfloat16)
+    assert source.startswith(name + ": ")
+    if tflops is None:
+        assert flops is None and "MFU n/a" in source
+    else:
+        assert flops == pytest.approx(tflops * 1e12, rel=1e-9) and "datasheet" in source
+
+
+def test_step_log_line_without_a_peak_says_mfu_na():
+    """
+    step_log_line with peak_flops=None (a card not in the table): the line says "mfu n/a" and the metrics row holds
+    mfu None; tokens/s is still 24,000 tokens / 12 s = 2,000. Catches a crash on None, an MFU of 0% or inf printed as
+    if measured, and a guessed peak.
+    """
+    from nanotrain.run import step_log_line
+
+    line, row = step_log_line(5, 55, loss=2.5, grad_norm=None, lrm=1.0, dt=12.0, tokens=24_000, flops_per_token=5e6,
+                              peak_flops=None, world_size=2)
+    assert "| tok/s 2,000 | mfu n/a | eta" in line
+    assert row["mfu"] is None and row["tok_per_sec"] == 2000.0

@@ -95,11 +95,12 @@ def test_marked_pids_finds_only_the_steps_processes(monkeypatch):
 
 def test_environment_report_on_cuda(cuda_standin, monkeypatch):
     """gpu_check's env step and the report's system line on a CUDA machine: the card's name, memory, capability and
-    its datasheet bf16 peak (989 TFLOP/s for an H100). Catches a CUDA branch that reads the CPU's fields or a peak
+    its datasheet bf16 peak (989.4 TFLOP/s for an H100 SXM). Catches a CUDA branch that reads the CPU's fields or a peak
     that is measured instead of looked up for a known card."""
     env = load_gpu_check(monkeypatch).env_info()
     assert env["cuda_available"] and env["device_count"] == 1 and env["device_name"] == "NVIDIA H100 80GB HBM3"
     assert env["total_memory_bytes"] == 8 * GiB and env["capability"] == [9, 0]
-    assert env["bf16_peak_flops"] == 989e12 and env["bf16_peak_source"] == "NVIDIA H100 80GB HBM3 bf16 dense datasheet peak"
+    assert env["bf16_peak_flops"] == 989.4e12
+    assert env["bf16_peak_source"].startswith("NVIDIA H100 80GB HBM3: dense bf16 datasheet peak")
     from nanotrain.report.card import system_info
     assert system_info()["device"] == "1 x NVIDIA H100 80GB HBM3"

@@ -129,3 +129,58 @@ def test_cpu_recipe_flags_are_the_old_defaults():
     text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "cpu.sh")).read()
     for flag in CPU_RECIPE[:-1]:
         assert flag in text, flag
+
+
+def speedrun_commands():
+    """The scripts/*.py commands of runs/speedrun.sh: [(script path, [--name=value, ...])], continued lines joined."""
+    import re
+    import shlex
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(repo, "runs", "speedrun.sh")).read().replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        m = re.search(r"(scripts/\w+\.py)(.*)", line.split("#")[0] if not line.lstrip().startswith("#") else "")
+        if m:
+            flags = [a for a in shlex.split(m.group(2).replace("$NPROC", "8")) if a.startswith("--")]
+            commands.append((os.path.join(repo, m.group(1)), flags))
+    return commands
+
+
+# nanochat HEAD's architecture and Muon options (karpathy/nanochat 92d63d4: on in nanochat/gpt.py and its optimizer,
+# no flags there), as base_train's flags
+NANOCHAT_OPTIONS = ["--smear=True", "--backout=True", "--x0_lambdas=True", "--rotary_base=100000", "--qk_scale=1.44",
+                    "--muon_beta2=0.9", "--momentum=0.97", "--momentum_warmup=400", "--final_momentum=0.90"]
+
+
+@pytest.mark.unit
+def test_speedrun_flags_are_accepted_and_run_nanochats_options():
+    """
+    Every scripts/*.py command of runs/speedrun.sh passes its flags through the script's own settings (the script's
+    top level run as a module: its configurator parses and range-checks every --name=value, main() does not run), and
+    the pretraining command carries nanochat HEAD's options. Catches a flag renamed or dropped in a script (the
+    speedrun would stop hours in with `error: unknown setting`), a value of the wrong type or range, and a speedrun
+    that silently trains without nanochat's architecture.
+    """
+    import subprocess
+    import sys
+
+    commands = speedrun_commands()
+    scripts = [os.path.basename(p) for p, _ in commands]
+    assert {"tok_train.py", "base_train.py", "base_eval.py", "mid_train.py", "chat_sft.py", "chat_eval.py",
+            "chat_rl.py"} <= set(scripts)
+    base_flags = dict(commands)[next(p for p, _ in commands if p.endswith("base_train.py"))]
+    assert set(NANOCHAT_OPTIONS) <= set(base_flags), base_flags
+    # one process: each script's top level (imports, settings, configure) with its flags as sys.argv
+    check = ("import json, runpy, sys\n"
+             "for path, flags in json.loads(sys.argv[1]):\n"
+             "    sys.argv = [path] + flags\n"
+             "    try:\n"
+             "        runpy.run_path(path, run_name='speedrun_flags')\n"
+             "    except SystemExit as e:\n"
+             "        print(f'REFUSED {path} {flags} exit {e.code}'); raise\n"
+             "    print('OK', path)\n")
+    out = subprocess.run([sys.executable, "-c", check, json.dumps(commands)], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("OK ") == len(commands), out.stdout

@@ -86,8 +86,8 @@ def summarize(run_dir, stage, extra=None):
     steady = train[1:] if len(train) > 1 else train
     val_key = next((k for k in ("val_bpb", "val_loss", "eval_pass1") if any(k in r for r in val)), None)
     vals = [r for r in val if val_key in r]
-    med = (lambda key: statistics.median(r[key] for r in steady if key in r) if any(key in r for r in steady)
-           else None)
+    med = (lambda key: statistics.median(r[key] for r in steady if r.get(key) is not None)
+           if any(r.get(key) is not None for r in steady) else None)  # mfu is None on a card of unknown peak
     return {
         "config": _read_json(os.path.join(run_dir, "config.json")) or {},
         "auto_batch_size": _read_json(os.path.join(run_dir, "auto_batch_size.json")),
