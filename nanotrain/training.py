@@ -327,10 +327,45 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     return grad_norm
 
 
+def step_stats(loss, grad_norm, stop_requested, device):
+    """
+    The numbers of one optimizer step kept on the device, to be read by read_step_stats in one host read after the
+    step is queued whole (the loop's only device-to-host read of the step). loss: 0-dim tensor (this rank's;
+    forward_backward's); grad_norm: optimizer_step's 0-dim tensor, or None for a step that updated nothing;
+    stop_requested: this rank's bool (nanotrain.stop.requested). Under torch.distributed the loss and the stop flag
+    are averaged over the ranks in one all-reduce (queued, no host read): the loss's mean, and the flag > 0 if any
+    rank asked to stop, so every rank reads the same numbers and stops after the same step. Collective: every rank must
+    call it. Returns an opaque value for read_step_stats.
+    """
+    flag = torch.full((), float(stop_requested), device=device)  # a fill, not a (synchronising) host copy
+    local = torch.stack([loss.detach().float().reshape(()), flag])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(local)
+        local = local / dist.get_world_size()  # the loss's mean; the flag's share of the ranks, > 0 if any
+    norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else torch.zeros((), device=device)
+    return torch.stack([local[0], norm, local[1]]), grad_norm is not None
+
+
+def read_step_stats(stats, step, run_dir):
+    """
+    Reads step_stats' numbers to the host with one device-to-host copy and checks them: returns (loss (float, the
+    mean over ranks), grad_norm (float, or None where the step updated nothing), stop (bool: a stop was requested on
+    some rank)). Raises check_finite's UserError naming `step` (0-based) for a non-finite loss or gradient norm of
+    a step that updated: its update was not applied (nanotrain's optimizers gate it on the device), so the weights
+    and optimizer state are those of the step before.
+    """
+    values, updated = stats
+    loss, grad_norm, stop = values.tolist()
+    if updated:
+        check_finite(loss, step, run_dir)
+        check_finite(grad_norm, step, run_dir, "gradient norm")
+    return loss, grad_norm if updated else None, stop > 0
+
+
 def check_finite(value, step, run_dir, what="loss"):
     """
-    Raises UserError naming the step if `value` (the loss, or the gradient norm) is NaN or inf. Called before the
-    update is applied, so the weights and the last checkpoint are intact.
+    Raises UserError naming the step if `value` (the loss, or the gradient norm) is NaN or inf. A non-finite
+    gradient norm's update was not applied (optimizer_step), so the weights and the last checkpoint are intact.
     """
     if not math.isfinite(value):
         raise UserError(f"non-finite {what} {value} at step {step}; stopped before the update (the last checkpoint "
