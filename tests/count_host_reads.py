@@ -35,7 +35,7 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.count, self.active, self.started, self.where = 0, False, False, []
 
-    def _seen(self):
+    def _seen(self):  # the mode is entered only for the window: outside it, torch runs without Python dispatch
         if self.active:
             self.count += 1
             self.where.append("".join(__import__("traceback").format_stack(limit=6)[:-2]))
@@ -61,10 +61,13 @@ class HostReads(TorchDispatchMode):
         def forward_backward(*args, **kwargs):
             if not self.started:
                 self.active = self.started = True
+                self.__enter__()
             return real_fb(*args, **kwargs)
 
         def save_checkpoint(*args, **kwargs):
-            self.active = False
+            if self.active:
+                self.active = False
+                self.__exit__(None, None, None)
             return real_save(*args, **kwargs)
 
         try:
@@ -72,9 +75,11 @@ class HostReads(TorchDispatchMode):
                 setattr(torch.Tensor, name, counting(real))
             nanotrain.training.forward_backward = forward_backward
             nanotrain.checkpoint.save_checkpoint = save_checkpoint
-            with self:
-                yield self
+            yield self
         finally:
+            if self.active:  # the run ended inside the window (an error)
+                self.active = False
+                self.__exit__(None, None, None)
             for name, real in saved.items():
                 setattr(torch.Tensor, name, real)
             nanotrain.training.forward_backward = real_fb

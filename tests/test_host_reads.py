@@ -5,6 +5,7 @@ NaN guard without a read: a non-finite gradient norm leaves the weights and the 
 and the run stops with check_finite's message when the loop reads the norm.
 """
 
+import contextlib
 import os
 import pathlib
 
@@ -14,6 +15,7 @@ from count_host_reads import count_script
 from helpers import REPO, TINY_TRAIN
 from test_chat_train import MID, SFT
 
+import nanotrain.report.card
 import nanotrain.training
 
 pytestmark = pytest.mark.unit
@@ -22,6 +24,20 @@ STEPS = 10
 
 def script(name):
     return os.path.join(REPO, "scripts", name)
+
+
+@contextlib.contextmanager
+def lean_runs():
+    """One torch thread (as the smoke tests' scripts run) and no report card (its plots cost seconds, after the
+    training), restored afterwards."""
+    threads, card = torch.get_num_threads(), nanotrain.report.card.write_section_or_warn
+    torch.set_num_threads(1)
+    nanotrain.report.card.write_section_or_warn = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        nanotrain.report.card.write_section_or_warn = card
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +51,11 @@ def counted(shared_base_dir, tmp_path_factory):
     os.environ["NANOTRAIN_BASE_DIR"] = str(base)
     quiet = ["--eval_every=-1", "--save_every=-1", "--sample_every=-1", f"--num_iterations={STEPS}", "--run_name=r"]
     try:
-        out = {"base_train.py": count_script(script("base_train.py"), [*TINY_TRAIN, *quiet])}
-        out["mid_train.py"] = count_script(script("mid_train.py"), [*MID, *quiet])
-        out["chat_sft.py"] = count_script(script("chat_sft.py"), [*SFT, *quiet, "--source_run_name=r"])
+        with lean_runs():
+            out = {"base_train.py": count_script(script("base_train.py"), [*TINY_TRAIN, *quiet, "--eval_tokens=256"])}
+            out["mid_train.py"] = count_script(script("mid_train.py"), [*MID, *quiet, "--eval_tokens=128"])
+            out["chat_sft.py"] = count_script(script("chat_sft.py"), [*SFT, *quiet, "--source_run_name=r",
+                                                                      "--eval_examples=4"])
     finally:
         if old is None:
             os.environ.pop("NANOTRAIN_BASE_DIR", None)
@@ -80,7 +98,7 @@ def test_nan_gradient_leaves_the_step_before_and_stops(base_dir, monkeypatch, ca
         return real(model, optimizers, *args, **kwargs)
 
     monkeypatch.setattr(nanotrain.training, "optimizer_step", optimizer_step)
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit) as exit_info, lean_runs():
         count_script(script("base_train.py"), [*TINY_TRAIN, "--num_iterations=6", "--run_name=nan"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
