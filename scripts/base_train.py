@@ -93,7 +93,7 @@ ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 o
 momentum = 0.95  # [0, 1): Muon's momentum after its warmup
 momentum_warmup = 300  # >= 0: steps of Muon's linear momentum warmup from 0.85 (0: none)
 final_momentum = None  # [0, 1): Muon's momentum at the last step, reached linearly over the lr warmdown; None: no decay
-grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+grad_clip = 0.0  # >= 0: clip the global gradient norm to this (on the device, no sync); 0: off, as nanochat
 lr_warmup_steps = 40  # >= 0: optimizer steps of linear lr warmup (nanochat's 40)
 warmdown_ratio = 0.65  # [0, 1]: fraction of the steps at the end with a linear lr decay to final_lr_frac
 final_lr_frac = 0.05  # [0, 1]: lr multiplier at the last step

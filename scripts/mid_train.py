@@ -81,7 +81,7 @@ unembedding_lr = 0.004  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/76
 scalar_lr = 0.5  # >= 0: AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
 weight_decay = 0.0  # >= 0: AdamW weight decay
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
-grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+grad_clip = 0.0  # >= 0: clip the global gradient norm to this (on the device, no sync); 0: off, as nanochat
 warmup_ratio = 0.0  # [0, 1]: fraction of the steps with a linear lr warmup
 warmdown_ratio = 0.2  # [0, 1]: fraction of the steps at the end with a linear lr decay to final_lr_frac
 final_lr_frac = 0.0  # [0, 1]: lr multiplier at the last step
