@@ -28,20 +28,30 @@ def adamw_lr_scale(model_dim):
     return (model_dim / 768) ** -0.5
 
 
-def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+HALF = torch.tensor(0.5, dtype=torch.float64)  # a tensor exponent: pow(x, 0.5) as Python's, not sqrt
+
+
+def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, finite):
     """
-    One AdamW update of p in place (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"; the formula of
-    torch.optim.AdamW's single-tensor path): p *= 1 - lr * weight_decay; m = lerp(m, g, 1 - beta1);
-    v = beta2 v + (1 - beta2) g^2; p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps).
-    p, grad, exp_avg (m), exp_avg_sq (v): tensors of one shape and dtype (plain, not DTensors: a shard is updated
-    like a whole tensor); step (t, already incremented), lr, beta1, beta2, eps, weight_decay: 0-d fp32 tensors (any
-    device), so that new values do not recompile the compiled version. Returns None.
+    One AdamW update of p in place (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"), gated on the
+    device by `finite`: t += 1; p *= 1 - lr * weight_decay; m = lerp(m, g, 1 - beta1); v = beta2 v + (1 - beta2) g^2;
+    p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps). The operations and their order are those of
+    torch.optim.AdamW's single-tensor path (the scalars in fp64, as its Python floats), so on CPU the result is bit
+    for bit torch's. p, grad, exp_avg (m), exp_avg_sq (v): tensors of one shape and dtype (plain, not DTensors: a
+    shard is updated like a whole tensor); step (t): 0-d fp32 tensor on p's device, incremented here; lr, beta1,
+    beta2, eps, weight_decay: 0-d CPU tensors (fp64; fp32 for MPS), so that new values do not recompile the compiled
+    version; finite: 0-d bool tensor on p's device. finite False leaves p, m, v and t bit for bit unchanged without a
+    host read: the gradient is masked first (0 * NaN is NaN), every other change is multiplied by 0. Returns None.
     """
-    p.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).add_(grad * grad * (1 - beta2))
-    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
-    p.sub_(exp_avg / denom * (lr / (1 - beta1 ** step)))
+    g = torch.where(finite, grad, 0.0)
+    f = finite.to(lr.dtype)
+    step.add_(finite.to(step.dtype))
+    t = step.to(lr.dtype).clamp_min(1.0)  # a first step skipped: t stays 0, and 1 - beta^0 = 0 must not divide
+    p.mul_(1 - lr * weight_decay * f)
+    exp_avg.lerp_(g, ((1 - beta1) * f).to(exp_avg.dtype))
+    exp_avg_sq.mul_(torch.where(finite, beta2, 1.0)).addcmul_((1 - beta2) * g, g)  # g = 0: v unchanged
+    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** t).pow(HALF.to(t.dtype))).add_(eps)
+    p.add_(-(lr * f) / (1 - beta1 ** t) * exp_avg / denom)
 
 
 def _local(t):
@@ -51,42 +61,50 @@ def _local(t):
 
 class AdamW(torch.optim.AdamW):
     """
-    torch.optim.AdamW (same arguments, state dict and, while `update` is None, the same step), plus an optional
-    per-parameter update function `update` (adamw_update or its compiled version, set by compile_optimizer_step) that
-    step() then uses instead: the state is created as torch's non-fused AdamW creates it ("step" a 0-d fp32 CPU
-    tensor, "exp_avg", "exp_avg_sq" like p) and updated in place. Only plain AdamW has a compiled step: amsgrad,
-    maximize and capturable stay on torch's step (compile_optimizer_step leaves such an optimizer alone).
+    torch.optim.AdamW's arguments and state dict, with its own step: adamw_update (or its compiled version, `update`,
+    set by compile_optimizer_step) per parameter, gated on the device by step(finite=...). The state is torch's
+    ("step" a 0-d fp32 tensor, here on the parameter's device; "exp_avg", "exp_avg_sq" like p), so checkpoints of
+    torch's AdamW load (a CPU "step" moves to the device at the first step). Only plain AdamW: amsgrad, maximize and
+    capturable raise ValueError.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.update = None
+        if any(g.get(k) for g in self.param_groups for k in ("amsgrad", "maximize", "capturable")):
+            raise ValueError("nanotrain.optim.AdamW: amsgrad, maximize and capturable are not supported")
+        self.update = None  # adamw_update; compile_optimizer_step compiles it
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient. Returns closure() if given, else None."""
-        if self.update is None:  # torch's step, without its hook wrapper: this class's own wrapper ran the hooks
-            step = torch.optim.AdamW.step
-            return (step.__wrapped__ if getattr(step, "hooked", False) else step)(self, closure)
+    def step(self, closure=None, finite=None):
+        """
+        One update of every parameter that has a gradient. finite: None (True) or a 0-d bool tensor on the
+        parameters' device; False leaves every parameter and state tensor (the step count too) bit for bit unchanged,
+        decided on the device (no host read). Returns closure() if given, else None.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        update = self.update or adamw_update
         for group in self.param_groups:
-            # 0-d tensors: a new lr (the schedule) is a new value, not a new constant to compile for
-            lr, eps, wd = (torch.tensor(float(group[k])) for k in ("lr", "eps", "weight_decay"))
-            beta1, beta2 = (torch.tensor(float(b)) for b in group["betas"])
+            # 0-d CPU tensors: a new lr (the schedule) is a new value, not a new constant to compile for, and no
+            # host-to-device copy (a CPU scalar rides into a device kernel as an argument)
+            dtype = torch.float32 if group["params"][0].device.type == "mps" else torch.float64  # MPS: no fp64
+            lr, eps, wd = (torch.tensor(float(group[k]), dtype=dtype) for k in ("lr", "eps", "weight_decay"))
+            beta1, beta2 = (torch.tensor(float(b), dtype=dtype) for b in group["betas"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                self.update(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                            state["step"], lr, beta1, beta2, eps, wd)
+                if state["step"].device != p.device:  # torch's AdamW keeps it on the CPU: moved once
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+                ok = finite if finite is not None else torch.ones((), dtype=torch.bool, device=p.device)
+                update(_local(p), _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                       state["step"], lr, beta1, beta2, eps, wd, ok)
         return loss
 
 
@@ -98,7 +116,7 @@ def setup_optimizers(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.0
     Returns [adamw, muon]. Muon (lr matrix_lr, momentum 0.95, Newton-Schulz in ns_dtype: "" picks it per device,
     see nanotrain.muon.ns_dtype_for; polar_express, NorMuon's beta2 muon_beta2 (0: off), cautious weight decay
     muon_weight_decay) for the blocks' matrices (value-embedding gates included). torch AdamW
-    (eps 1e-10; fused on CUDA, torch's default elsewhere) for the rest, in groups, with s = adamw_lr_scale:
+    (nanotrain.optim.AdamW, eps 1e-10) for the rest, in groups, with s = adamw_lr_scale:
     lm_head unembedding_lr * s; wte embedding_lr * s; value embeddings embedding_lr * s / 2 (these three with
     betas adam_betas, the second one replaced by unembedding_beta2 for lm_head and embedding_beta2 for the two
     embeddings where given, and weight_decay); resid_lambdas scalar_lr / 100; x0_lambdas scalar_lr with beta1 0.96;
@@ -132,9 +150,7 @@ def setup_optimizers(model, matrix_lr=0.02, embedding_lr=0.2, unembedding_lr=0.0
     assert len(all_ids) == len(set(all_ids)) and set(all_ids) == {id(p) for p in model.parameters()}
     if not ns_dtype:  # settle the per-device choice now: on CPU under torch.distributed it is one collective
         ns_dtype_for(model.wte.weight.device)  # (every rank sets up its optimizers; none may decide mid-step)
-    on_cuda = model.wte.weight.device.type == "cuda"
-    adamw = AdamW([dict(params=ps, lr=lr, betas=betas, weight_decay=wd) for ps, lr, betas, wd in groups],
-                              eps=1e-10, fused=True if on_cuda else None)
+    adamw = AdamW([dict(params=ps, lr=lr, betas=betas, weight_decay=wd) for ps, lr, betas, wd in groups], eps=1e-10)
     muon = Muon(matrix_params, lr=matrix_lr, momentum=0.95, ns_dtype=ns_dtype, polar_express=polar_express,
                 beta2=muon_beta2, weight_decay=muon_weight_decay, process_group=process_group)
     for opt in (adamw, muon):
@@ -204,16 +220,14 @@ def compile_optimizer_step(optimizers, device, backend="inductor", log=print0):
     orthogonalisation runs on whole matrices, its collectives outside the compiled functions). Numerics: the same
     formulas, fused by the compiler, equal to the eager step within fp32 roundoff (tests/test_muon.py states the
     tolerance). Falls back to the eager functions with one log line when compile_unavailable says why, or when a
-    kernel fails to build (CompiledOrEager). Optimizers of other types, and AdamW with amsgrad, maximize or
-    capturable, are left as they are. Returns True if the step is compiled, else False.
+    kernel fails to build (CompiledOrEager). Optimizers of other types are left as they are. Returns True if the step is compiled, else False.
     """
     reason = compile_unavailable(device, backend)
     if reason is not None:
         log(f"compile_optimizer_step: {reason}: the optimizer step runs eagerly")
         return False
     for opt in optimizers:
-        plain = all(not g.get(k) for g in opt.param_groups for k in ("amsgrad", "maximize", "capturable"))
-        if isinstance(opt, AdamW) and plain:
+        if isinstance(opt, AdamW):
             opt.update = CompiledOrEager(adamw_update, backend)
         elif isinstance(opt, Muon):
             opt.fns = {name: CompiledOrEager(getattr(fn, "fn", fn), backend) for name, fn in opt.fns.items()}

@@ -121,7 +121,7 @@ def micro_batch(convs, packing, pad_id, device="cpu"):
     else:
         (x, y), doc_ids = pad_conversations(convs, pad_id, device), None
     return {"x": x, "y": y, "doc_ids": doc_ids, "tokens": sum(len(ids) for ids, _ in convs),
-            "targets": int((y != IGNORE_INDEX).sum().item())}
+            "targets": sum(count_targets(mask) for _, mask in convs)}  # counted on the host: no device read
 
 
 # ----------------------------------------------------------------------------- assignment to ranks and micro-batches

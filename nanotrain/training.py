@@ -8,6 +8,7 @@ step itself). The loops stay in the scripts, to be read top to bottom; a run dir
 """
 
 import gc
+import inspect
 import math
 from contextlib import nullcontext
 
@@ -301,24 +302,28 @@ def forward_backward(model, batches, autocast_ctx, *, loss_scale=None, catch_oom
     return total / n if loss_scale is None else total
 
 
-def optimizer_step(model, optimizers, lrm, momentum, grad_clip, *, skip_nonfinite=True):
+def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     """
-    One update of every optimizer: clip the (already synchronised, so global) gradient norm to grad_clip if > 0,
-    set each group's lr to initial_lr * lrm (lrm None: lrs as they are) and Muon's momentum (nanotrain.optim.Muon's
-    groups, told by their "ns_steps" entry; momentum None: unchanged), step, and zero the gradients (set to None).
-    If the global gradient norm is NaN/inf nothing is updated and the gradients are dropped (with the soft-capped
-    loss a NaN gradient shows up a step before a NaN loss); the caller stops with check_finite on the returned norm.
-    skip_nonfinite=False leaves that check out (the memory probe under FakeTensorMode has no values to check).
-    Returns the gradient norm before clipping (a plain 0-dim fp32 tensor, also when grad_clip is 0). Under FSDP2 the
-    norm is computed over the shards and all-reduced by clip_grad_norm_ (a replicated DTensor, made plain here), so it
+    One update of every optimizer, queued without a host read: the global gradient norm (a device tensor), clipped to
+    grad_clip if > 0 (torch.nn.utils.clip_grad_norm_: the clip coefficient stays on the device), each group's lr set
+    to initial_lr * lrm (lrm None: lrs as they are) and Muon's momentum (groups with an "ns_steps" entry; momentum
+    None: unchanged), then opt.step(finite=torch.isfinite(grad_norm)) on every optimizer, and the gradients zeroed
+    (set to None). nanotrain's optimizers (nanotrain.optim) gate their update on the device: a NaN/inf norm (with
+    the soft-capped loss a NaN gradient shows up a step before a NaN loss) leaves every parameter and optimizer state
+    bit for bit unchanged; the caller stops the run with check_finite when it reads the norm. An optimizer whose
+    step() takes no `finite` (e.g. torch.optim.SGD) costs one host read: it steps only if the norm is finite.
+    Returns the gradient norm before clipping (a plain 0-dim fp32 tensor on the device, also when grad_clip is 0).
+    Under FSDP2 the norm is computed over the shards and all-reduced (a replicated DTensor, made plain here), so it
     is the global norm on every rank.
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    else:  # the norm alone: no pass multiplying every gradient by 1
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(grad_norm, "full_tensor"):  # DTensor (FSDP2)
         grad_norm = grad_norm.full_tensor()
-    if skip_nonfinite and not torch.isfinite(grad_norm):
-        model.zero_grad(set_to_none=True)
-        return grad_norm
+    finite = torch.isfinite(grad_norm)
     for opt in optimizers:
         for group in opt.param_groups:
             if lrm is not None:
@@ -326,15 +331,53 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip, *, skip_nonfinit
             if momentum is not None and "ns_steps" in group:  # a Muon group
                 group["momentum"] = momentum
     for opt in optimizers:
-        opt.step()
+        if "finite" in inspect.signature(opt.step).parameters:
+            opt.step(finite=finite)
+        elif finite:  # another optimizer: a host read decides
+            opt.step()
     model.zero_grad(set_to_none=True)
     return grad_norm
 
 
+def step_stats(loss, grad_norm, stop_requested, device):
+    """
+    The numbers of one optimizer step kept on the device, to be read by read_step_stats in one host read after the
+    step is queued whole (the loop's only device-to-host read of the step). loss: 0-dim tensor (this rank's;
+    forward_backward's); grad_norm: optimizer_step's 0-dim tensor, or None for a step that updated nothing;
+    stop_requested: this rank's bool (nanotrain.stop.requested). Under torch.distributed the loss and the stop flag
+    are averaged over the ranks in one all-reduce (queued, no host read): the loss's mean, and the flag > 0 if any
+    rank asked to stop, so every rank reads the same numbers and stops after the same step. Collective: every rank must
+    call it. Returns an opaque value for read_step_stats.
+    """
+    flag = torch.full((), float(stop_requested), device=device)  # a fill, not a (synchronising) host copy
+    local = torch.stack([loss.detach().float().reshape(()), flag])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(local)
+        local = local / dist.get_world_size()  # the loss's mean; the flag's share of the ranks, > 0 if any
+    norm = grad_norm.detach().float().reshape(()) if grad_norm is not None else torch.zeros((), device=device)
+    return torch.stack([local[0], norm, local[1]]), grad_norm is not None
+
+
+def read_step_stats(stats, step, run_dir):
+    """
+    Reads step_stats' numbers to the host with one device-to-host copy and checks them: returns (loss (float, the
+    mean over ranks), grad_norm (float, or None where the step updated nothing), stop (bool: a stop was requested on
+    some rank)). Raises check_finite's UserError naming `step` (0-based) for a non-finite loss or gradient norm of
+    a step that updated: its update was not applied (nanotrain's optimizers gate it on the device), so the weights
+    and optimizer state are those of the step before.
+    """
+    values, updated = stats
+    loss, grad_norm, stop = values.tolist()
+    if updated:
+        check_finite(loss, step, run_dir)
+        check_finite(grad_norm, step, run_dir, "gradient norm")
+    return loss, grad_norm if updated else None, stop > 0
+
+
 def check_finite(value, step, run_dir, what="loss"):
     """
-    Raises UserError naming the step if `value` (the loss, or the gradient norm) is NaN or inf. Called before the
-    update is applied, so the weights and the last checkpoint are intact.
+    Raises UserError naming the step if `value` (the loss, or the gradient norm) is NaN or inf. A non-finite
+    gradient norm's update was not applied (optimizer_step), so the weights and the last checkpoint are intact.
     """
     if not math.isfinite(value):
         raise UserError(f"non-finite {what} {value} at step {step}; stopped before the update (the last checkpoint "

@@ -16,7 +16,7 @@ STEPS="${STEPS:-100}"
 BASE="--depth=$DEPTH --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096 --num_iterations=$STEPS \
 --eval_every=100 --eval_tokens=32768 --sample_every=-1 --save_every=-1 \
 --hparam_transfer=False --matrix_lr=0.03 --embedding_lr=0.2 --unembedding_lr=0.004 --muon_weight_decay=0.4 \
---lr_warmup_steps=0"  # the CPU recipe's values (runs/cpu.sh), which the rows change one at a time
+--lr_warmup_steps=0 --grad_clip=1.0"  # the CPU recipe's values (runs/cpu.sh), which the rows change one at a time
 declare -A ROW=(  # row name -> the flags that change its technique from the default (off when on, on when off)
     [defaults]=""
     [value_embeds]="--value_embeds=False"

@@ -26,7 +26,7 @@ GOLD_BPB=--gold_bpb_every=400
 python -m nanotrain.evaluation.gold_bpb || GOLD_BPB=--gold_bpb_every=-1
 #    This recipe's own optimizer values (tuned at depth 4 on CPU; base_train's defaults are nanochat's GPU recipe):
 CPU_RECIPE="--hparam_transfer=False --matrix_lr=0.03 --embedding_lr=0.2 --unembedding_lr=0.004 \
-    --muon_weight_decay=0.4 --lr_warmup_steps=0"
+    --muon_weight_decay=0.4 --lr_warmup_steps=0 --grad_clip=1.0"
 python scripts/base_train.py --run_name=$RUN --depth=4 --max_seq_len=256 --device_batch_size=8 \
     --total_batch_size=4096 --num_iterations=400 --eval_every=100 --eval_tokens=32768 \
     --sample_every=200 --save_every=100 $CPU_RECIPE $GOLD_BPB
@@ -34,10 +34,11 @@ python scripts/base_train.py --run_name=$RUN --depth=4 --max_seq_len=256 --devic
 # 4. sample from the trained model
 python scripts/sample.py --run_name=$RUN --prompt="The return value of the function is" --max_tokens=48
 # 5. mid-training: the chat format on the built-in tasks (all tokens trained), one epoch
-python scripts/mid_train.py --run_name=$RUN --base_run_name=$RUN --eval_every=50
+python scripts/mid_train.py --run_name=$RUN --base_run_name=$RUN --eval_every=50 --grad_clip=1.0
 
 # 6. SFT: assistant tokens only, packed conversations, 32 per step, one epoch
-python scripts/chat_sft.py --run_name=$RUN --source_run_name=$RUN --eval_every=50 --max_tokens_per_device=512
+python scripts/chat_sft.py --run_name=$RUN --source_run_name=$RUN --eval_every=50 --max_tokens_per_device=512 \
+    --grad_clip=1.0
 
 # 7. chat eval on the validation split of the built-in tasks (the calculator tool on): the base model (the baseline)
 # and the SFT model; the SFT model also on the chat benchmarks ARC-Easy, ARC-Challenge, MMLU and GSM8K, the first 100

@@ -25,7 +25,6 @@ from nanotrain.auto_batch_size.policy import discover_with_policy
 from nanotrain.auto_batch_size.stepdown import OOMStepDown
 from nanotrain.checkpoint import check_resume, load_optimizers, resume_checkpoint, save_checkpoint
 from nanotrain.common import (
-    all_reduce_scalar,
     any_rank,
     compute_init,
     get_peak_flops,
@@ -34,7 +33,6 @@ from nanotrain.common import (
     run_script,
     seed_everything,
     set_rng_state,
-    synchronize,
 )
 from nanotrain.configurator import configure
 from nanotrain.dataloader import TokenLoader
@@ -96,7 +94,7 @@ ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 o
 momentum = 0.95  # [0, 1): Muon's momentum after its warmup
 momentum_warmup = 300  # >= 0: steps of Muon's linear momentum warmup from 0.85 (0: none)
 final_momentum = None  # [0, 1): Muon's momentum at the last step, reached linearly over the lr warmdown; None: no decay
-grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+grad_clip = 0.0  # >= 0: clip the global gradient norm to this (on the device, no sync); 0: off, as nanochat
 lr_warmup_steps = 40  # >= 0: optimizer steps of linear lr warmup (nanochat's 40)
 warmdown_ratio = 0.65  # [0, 1]: fraction of the steps at the end with a linear lr decay to final_lr_frac
 final_lr_frac = 0.05  # [0, 1]: lr multiplier at the last step
@@ -326,8 +324,21 @@ def main():
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0
     val_bpb = None
     stop = False
+    pending = None  # the last step's loss, gradient norm and stop flag, still on the device (training.step_stats)
     eta = run.ETA(total_steps)  # the time left from the mean step time, not the last step's
     while True:
+        if pending is not None:  # the step's one host read, once it is queued whole: checks, stop flag, log line
+            stats, t0, lrm = pending
+            train_loss, grad_norm, stop = training.read_step_stats(stats, step - 1, run_dir)  # NaN: UserError
+            pending = None
+            dt = time.time() - t0  # the read waited for the step's last kernel
+            if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
+                train_time += dt
+            line, row = run.step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm, lrm=lrm, dt=dt,
+                                          tokens=total_batch_size, flops_per_token=flops_per_token,
+                                          peak_flops=peak_flops, world_size=world_size, eta_s=eta.update(step, dt))
+            print0(line)
+            metrics.log(**row, tokens=tokens_seen)
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
         resume_step = ckpt["meta"]["step"] if ckpt is not None else None
@@ -379,8 +390,8 @@ def main():
         if last_step:
             break
 
-        # one optimizer step: this step's rows as grad_accum_steps micro-batches, gradients synced on the last one
-        synchronize(device)
+        # one optimizer step, queued without a host read: this step's rows as grad_accum_steps micro-batches,
+        # gradients synced on the last one; a non-finite gradient norm leaves the weights as they are (on the device)
         t0 = time.time()
         x, y = train_loader.next_batch(rows_per_step)
         if step_down is not None:  # an out-of-memory steps every rank down to a smaller size and redoes the step
@@ -389,27 +400,16 @@ def main():
                 device_batch_size, grad_accum_steps, eval_steps = batch_sizes(step_down.device_batch_size)
         else:
             loss = training.forward_backward(model, training.micro_batches(x, y, device_batch_size), autocast_ctx)
-        train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
-        stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
-        training.check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
         lrm = training.lr_multiplier(step, total_steps, min(1.0, lr_warmup_steps / total_steps), warmdown_ratio,
                                      final_lr_frac)
         mom = training.muon_momentum(step, warmup_steps=momentum_warmup, start=0.85, end=momentum,
                                      total_steps=total_steps, warmdown_ratio=warmdown_ratio, final=final_momentum)
         grad_norm = training.optimizer_step(orig_model, optimizers, lrm, mom, grad_clip)
-        training.check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
-        synchronize(device)
-        dt = time.time() - t0
+        stats = training.step_stats(loss, grad_norm, nanotrain.stop.requested, device)  # every rank the same
+        pending = (stats, t0, lrm)  # read at the top of the loop
         step += 1
         tokens_seen += total_batch_size
-        if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
-            train_time += dt
-        line, row = run.step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
-                                  tokens=total_batch_size, flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                  world_size=world_size, eta_s=eta.update(step, dt))
-        print0(line)
-        metrics.log(**row, tokens=tokens_seen)
 
     # ------------------------------------------------------------------------- the end
     # replicas agree, the summary, the report card section

@@ -2,6 +2,7 @@
 Training-speed benchmark: steady-state tokens/s, step time, MFU and peak memory of base_train's optimizer step, plus
 the token loader's and the tokenizer's throughput on the same data. Prints ONE JSON object on stdout.
 
+    python scripts/bench.py --depth=12 --max_seq_len=2048 --device_batch_size=32    # 2^19 tokens per step, as training
     python scripts/bench.py --depth=4 --max_seq_len=256 --device_batch_size=8 --total_batch_size=4096
     python scripts/bench.py --depth=8 --max_seq_len=512 --device_batch_size=4 --total_batch_size=8192
     python scripts/bench.py --depth=4 --vs="--compile=True"          # A B B A A B ... interleaved; ratio per pair
@@ -9,8 +10,11 @@ the token loader's and the tokenizer's throughput on the same data. Prints ONE J
     python scripts/bench.py --depth=4 --profile=True                 # where the step's time goes (torch.profiler)
 
 The model and optimizers are built as in scripts/base_train.py (meta device, to_empty, init_weights,
-setup_optimizers) and every timed step is base_train's: the loader's next_batch, nanotrain.training.forward_backward,
-the loss sync, optimizer_step. Needs a tokenizer (python scripts/tok_train.py) and the data (--data, builtin default).
+setup_optimizers) and every timed step is base_train's: the loader's next_batch, nanotrain.training.forward_backward
+over grad_accum_steps micro-batches up to the run's total batch (--total_batch_size=-1, the default: base_train's
+automatic size from the horizon, 2^19 tokens at depth 12), optimizer_step (clipping at --grad_clip), and the step's
+one host read (training.step_stats, read_step_stats), so the per-step costs (optimizer, syncs) are counted as a
+run pays them. grad_accum_steps goes to stderr and the JSON. Needs a tokenizer (python scripts/tok_train.py) and the data (--data, builtin default).
 
 MFU = flops_per_token (GPT.estimate_flops) * tokens/s / peak. Peak on CUDA: the datasheet table
 nanotrain.common.GPU_PEAK_FLOPS (bf16 dense, by exact card name; a card not in it: peak and mfu null); on CPU: the
@@ -46,28 +50,31 @@ from torch.profiler import ProfilerActivity, record_function
 
 from nanotrain.auto_batch_size.builders import gpt_builder
 from nanotrain.auto_batch_size.probe import measure_fake_peak
-from nanotrain.common import all_reduce_scalar, compute_init, get_peak_flops, run_script, seed_everything, synchronize
+from nanotrain.common import compute_init, get_peak_flops, run_script, seed_everything, synchronize
 from nanotrain.configurator import ConfigError, apply_overrides, configure, validate
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import iter_documents, resolve_data_files
 from nanotrain.errors import UserError
-from nanotrain.gpt import build_model, config_from_depth, policy_name
+from nanotrain.gpt import GPT, build_model, config_from_depth, policy_name
 from nanotrain.optim import compile_optimizer_step, ns_dtype_for, setup_optimizers
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
+    auto_total_batch_size,
     forward_backward,
     micro_batches,
     muon_momentum,
     muon_weight_decay_for,
     optimizer_step,
     precision,
+    read_step_stats,
+    step_stats,
 )
 
 # ----------------------------------------------------------------------------- settings
 depth = 4  # n_layer; model_dim = depth * 64
 max_seq_len = 256  # tokens per row
 device_batch_size = 8  # rows per micro-batch
-total_batch_size = 4096  # tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len))
+total_batch_size = -1  # >= 1: tokens per optimizer step (grad_accum_steps = total / (device_batch_size * max_seq_len)); -1: as base_train (from the horizon)
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
 activation_checkpointing = "none"  # none|selective|full, as base_train (nanotrain/gpt.py)
@@ -79,7 +86,7 @@ warmup_steps = 3  # untimed optimizer steps first (compilation, allocator, lazy 
 steps = 10  # timed optimizer steps (without --vs)
 threads = 0  # torch intra-op threads; 0 keeps torch's default
 prefetch = -1  # batches the loader's thread makes ahead; 0: off; -1: the loader's default (1 on CUDA, else 0)
-adamw = ""  # AdamW implementation: "" as setup_optimizers (fused on CUDA, torch's default elsewhere) | foreach | fused | for
+adamw = ""  # AdamW implementation: "" nanotrain's (setup_optimizers) | torch's foreach | fused | for (+ one host read a step)
 ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (nanotrain.optim.ns_dtype_for) | float32 | bfloat16
 memory_estimate = True  # on CPU also run the MemTracker estimate of the step's peak memory (extra time)
 loader_seconds = 1.0  # how long to time the token loader alone
@@ -105,6 +112,7 @@ unembedding_beta2 = 0.96  # AdamW beta2 of the lm_head
 muon_weight_decay = 0.28  # Muon's cautious weight decay (decays with the lr); None: training.muon_weight_decay_for
 polar_express = True  # Muon orthogonalises with the Polar Express coefficients (else the fixed Newton-Schulz quintic)
 muon_beta2 = 0.0  # NorMuon: EMA factor of the update's per-row variance (0 turns it off)
+grad_clip = 0.0  # clip the global gradient norm to this; 0 turns clipping off
 config = configure(globals(), none_types={"muon_weight_decay": (float,), "compile_optimizer": (bool,),
                                           "short_window": (int,)})
 # -----------------------------------------------------------------------------
@@ -147,10 +155,23 @@ def peak_rss_bytes():
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def resolve_total_batch_size(cfg, vocab_size):
+    """cfg's total_batch_size, or for -1 base_train's automatic one: training.auto_total_batch_size of the horizons
+    of this model and of depth 12 (their scaling parameters, counted on the meta device; the tokens-per-parameter
+    ratio cancels). Returns an int (tokens per optimizer step)."""
+    if cfg["total_batch_size"] != -1:
+        return cfg["total_batch_size"]
+    options = {k: cfg[k] for k in MODEL_OPTIONS if k not in ("window_pattern", "short_window")}
+    with torch.device("meta"):
+        horizon, ref = (GPT(config_from_depth(d, vocab_size, cfg["max_seq_len"], **options)).num_scaling_params()
+                        for d in (cfg["depth"], 12))
+    return auto_total_batch_size(horizon, ref)
+
+
 def check_config(cfg):
     """Raises UserError for settings the benchmark cannot run (each setting's range: configure(), validate)."""
     per = cfg["device_batch_size"] * cfg["max_seq_len"]
-    if cfg["total_batch_size"] % per != 0:
+    if cfg["total_batch_size"] != -1 and cfg["total_batch_size"] % per != 0:
         raise UserError(f"--total_batch_size={cfg['total_batch_size']} is not a multiple of device_batch_size * "
                         f"max_seq_len = {per}")
     if cfg["adamw"] not in ("", "foreach", "fused", "for"):
@@ -213,17 +234,19 @@ class Setup:
         torch.set_num_threads(self.cfg["threads"] or self.default_threads)
 
     def step(self):
-        """One optimizer step exactly as base_train's loop runs it (loader, micro-steps, loss sync, update)."""
+        """One optimizer step exactly as base_train's loop runs it (loader, micro-steps, update, the step's one host
+        read of its loss, gradient norm and stop flag), from an idle device to that read."""
         synchronize(self.device)
         t0 = time.perf_counter()
         with record_function("loader"):
             x, y = self.loader.next_batch(self.cfg["device_batch_size"] * self.grad_accum_steps)
         with record_function("forward_backward"):
             loss = forward_backward(self.model, micro_batches(x, y, self.cfg["device_batch_size"]), self.autocast_ctx)
-            all_reduce_scalar(loss, "mean", self.device)  # the per-step .item() base_train does
         with record_function("optimizer_step"):
-            optimizer_step(self.orig_model, self.optimizers, 1.0, muon_momentum(self.step_count), 1.0)
-            synchronize(self.device)
+            grad_norm = optimizer_step(self.orig_model, self.optimizers, 1.0, muon_momentum(self.step_count),
+                                       self.cfg["grad_clip"])
+        with record_function("host_read"):
+            read_step_stats(step_stats(loss, grad_norm, False, self.device), self.step_count, "bench")
         self.step_count += 1
         return time.perf_counter() - t0
 
@@ -370,7 +393,7 @@ def main():
     if is_ddp:
         raise UserError("scripts/bench.py runs as one process; start it with python, not torchrun")
     cfg_a = dict(config)
-    check_config(cfg_a)
+    check_config(cfg_a)  # the flags first: a bad one is one line before the tokenizer loads
     cfg_b = None
     if vs and profile:
         raise UserError("--profile=True profiles one configuration: leave out --vs")
@@ -386,11 +409,17 @@ def main():
         check_config(cfg_b)
     load_start = os.getloadavg()
     tokenizer = get_tokenizer()  # UserError naming tok_train.py when missing
+    for cfg in filter(None, (cfg_a, cfg_b)):  # -1: base_train's automatic total batch for this model
+        cfg["total_batch_size"] = resolve_total_batch_size(cfg, tokenizer.get_vocab_size())
+        check_config(cfg)
     train_files = resolve_data_files(data, "train")
     rss0 = peak_rss_bytes()
     setups = [Setup(cfg_a, tokenizer, train_files, device)]
     if cfg_b is not None:
         setups.append(Setup(cfg_b, tokenizer, train_files, device))
+    for st in setups:
+        print(f"total batch {st.cfg['total_batch_size']:,} tokens => grad_accum_steps {st.grad_accum_steps} "
+              f"(micro-batches of {st.cfg['device_batch_size']} x {st.cfg['max_seq_len']})", file=sys.stderr)
     peaks = {}
     measure_peaks(device, [st.compute_dtype for st in setups], peaks)
     if device.type == "cuda":

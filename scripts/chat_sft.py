@@ -41,7 +41,6 @@ from nanotrain.checkpoint import (
     save_checkpoint,
 )
 from nanotrain.common import (
-    all_reduce_scalar,
     any_rank,
     compute_init,
     get_peak_flops,
@@ -50,7 +49,6 @@ from nanotrain.common import (
     run_script,
     seed_everything,
     set_rng_state,
-    synchronize,
 )
 from nanotrain.configurator import configure
 from nanotrain.downloads import rank0_first
@@ -107,7 +105,7 @@ unembedding_lr = 0.004  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/76
 scalar_lr = 0.5  # >= 0: AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
 weight_decay = 0.0  # >= 0: AdamW weight decay
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
-grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+grad_clip = 0.0  # >= 0: clip the global gradient norm to this (on the device, no sync); 0: off, as nanochat
 warmdown_ratio = 1.0  # [0, 1]: fraction of the steps at the end with a linear lr decay to 0 (1.0: the whole run)
 # evaluation, checkpoints (-1 turns each off, except at the end of the run)
 eval_every = 100  # -1 or >= 1: steps between validation losses on held-out conversations
@@ -326,8 +324,22 @@ def main():
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0
     val_loss = None
     stop = False
+    pending = None  # the last step's loss, gradient norm and stop flag, still on the device (training.step_stats)
     eta = run.ETA(total_steps)  # the time left from the mean step time, not the last step's
     while True:
+        if pending is not None:  # the step's one host read, once it is queued whole: checks, stop flag, log line
+            stats, t0, lrm, count, n_batches, step_tokens, epoch = pending
+            train_loss, grad_norm, stop = training.read_step_stats(stats, step - 1, run_dir)  # NaN: UserError
+            pending = None
+            dt = time.time() - t0  # the read waited for the step's last kernel
+            if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
+                train_time += dt
+            line, row = run.step_log_line(step, total_steps, loss=train_loss if count else float("nan"),
+                                          grad_norm=grad_norm, lrm=lrm, dt=dt, tokens=step_tokens,
+                                          flops_per_token=flops_per_token, peak_flops=peak_flops,
+                                          world_size=world_size, eta_s=eta.update(step, dt))
+            print0(f"{line} | targets {count} | micro-batches {n_batches}")
+            metrics.log(**row, tokens=tokens_seen, targets=count, micro_batches=n_batches, epoch=epoch)
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
         if run.save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
@@ -377,42 +389,29 @@ def main():
         if last_step:
             break
 
-        # one optimizer step: this rank's micro-batches of the next examples_per_step conversations; the loss is the
-        # mean over every trained token of the step on all ranks (forward_backward scales each micro-batch's sum)
-        synchronize(device)
+        # one optimizer step, queued without a host read: this rank's micro-batches of the next examples_per_step
+        # conversations; the loss is the mean over every trained token of the step on all ranks (forward_backward
+        # scales each micro-batch's sum); a non-finite gradient norm leaves the weights as they are (on the device)
         t0 = time.time()
         examples = [train[i] for i in sampler.take(examples_per_step)]
+        epoch = sampler.epoch  # the epoch of this step's conversations, logged with it
         batches = batches_of(examples)
         count = global_target_count(sum(b["targets"] for b in batches), device)  # before any backward
-        scaled_loss = torch.zeros((), device=device)
+        lrm = training.lr_multiplier(step, total_steps, 0.0, warmdown_ratio, 0.0)
         if count > 0:  # each micro-batch's summed loss x world size / count: DDP's mean is the global token mean
             scaled_loss = training.forward_backward(model, batches, autocast_ctx,
-                                           loss_scale=token_loss_scale(count, world_size if is_ddp else 1))
-        train_loss = all_reduce_scalar(scaled_loss, "mean", device)  # the global token mean
-        stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
-        # clip, set the scheduled lr, update, zero the gradients (no update for a step without a trained token)
-        lrm = training.lr_multiplier(step, total_steps, 0.0, warmdown_ratio, 0.0)
-        if count == 0:
+                                                    loss_scale=token_loss_scale(count, world_size if is_ddp else 1))
+            # clip, set the scheduled lr, update, zero the gradients
+            grad_norm = training.optimizer_step(orig_model, optimizers, lrm, MUON_MOMENTUM, grad_clip)
+        else:  # no update for a step without a trained token
             print0(f"warning: step {step + 1} has no trained token (all masked); skipping the update")
             orig_model.zero_grad(set_to_none=True)
-            grad_norm = None
-        else:
-            training.check_finite(train_loss, step, run_dir)
-            grad_norm = training.optimizer_step(orig_model, optimizers, lrm, MUON_MOMENTUM, grad_clip)
-            training.check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
-        synchronize(device)
-        dt = time.time() - t0
-        step += 1
+            scaled_loss, grad_norm = torch.zeros((), device=device), None
         step_tokens = sum(len(ids) for ids, _ in examples)
+        stats = training.step_stats(scaled_loss, grad_norm, nanotrain.stop.requested, device)  # every rank the same
+        pending = (stats, t0, lrm, count, len(batches), step_tokens, epoch)  # read at the top of the loop
+        step += 1
         tokens_seen += step_tokens
-        if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
-            train_time += dt
-        line, row = run.step_log_line(step, total_steps, loss=train_loss if count else float("nan"),
-                                  grad_norm=None if grad_norm is None else grad_norm.item(), lrm=lrm, dt=dt,
-                                  tokens=step_tokens, flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                  world_size=world_size, eta_s=eta.update(step, dt))
-        print0(f"{line} | targets {count} | micro-batches {len(batches)}")
-        metrics.log(**row, tokens=tokens_seen, targets=count, micro_batches=len(batches), epoch=sampler.epoch)
 
     # ------------------------------------------------------------------------- the end
     # replicas agree, the summary, the report card section

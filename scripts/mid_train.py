@@ -45,7 +45,6 @@ from nanotrain.common import (
     run_script,
     seed_everything,
     set_rng_state,
-    synchronize,
 )
 from nanotrain.configurator import configure
 from nanotrain.engine import Engine
@@ -83,7 +82,7 @@ unembedding_lr = 0.004  # >= 0: AdamW lr of the lm_head (scaled by (model_dim/76
 scalar_lr = 0.5  # >= 0: AdamW lr of the model's learned scalars (x0_lambdas; resid_lambdas 1/100 of it, smear/backout 0.4)
 weight_decay = 0.0  # >= 0: AdamW weight decay
 ns_dtype = ""  # Muon's Newton-Schulz dtype: float32 | bfloat16; "" means bf16 on CUDA and on CPUs with fast bf16 matmuls
-grad_clip = 1.0  # >= 0: clip the global gradient norm to this; 0 turns clipping off
+grad_clip = 0.0  # >= 0: clip the global gradient norm to this (on the device, no sync); 0: off, as nanochat
 warmup_ratio = 0.0  # [0, 1]: fraction of the steps with a linear lr warmup
 warmdown_ratio = 0.2  # [0, 1]: fraction of the steps at the end with a linear lr decay to final_lr_frac
 final_lr_frac = 0.0  # [0, 1]: lr multiplier at the last step
@@ -257,8 +256,21 @@ def main():
     train_time = ckpt["meta"]["train_time"] if ckpt is not None else 0.0
     val_bpb = None
     stop = False
+    pending = None  # the last step's loss, gradient norm and stop flag, still on the device (training.step_stats)
     eta = run.ETA(total_steps)  # the time left from the mean step time, not the last step's
     while True:
+        if pending is not None:  # the step's one host read, once it is queued whole: checks, stop flag, log line
+            stats, t0, lrm, epoch = pending
+            train_loss, grad_norm, stop = training.read_step_stats(stats, step - 1, run_dir)  # NaN: UserError
+            pending = None
+            dt = time.time() - t0  # the read waited for the step's last kernel
+            if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
+                train_time += dt
+            line, row = run.step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm, lrm=lrm, dt=dt,
+                                          tokens=total_batch_size, flops_per_token=flops_per_token,
+                                          peak_flops=peak_flops, world_size=world_size, eta_s=eta.update(step, dt))
+            print0(line)
+            metrics.log(**row, tokens=tokens_seen, epoch=epoch)
         last_step = step == total_steps or stop
         # checkpoint first, so that an eval or sampling crash never loses the training (a resumed run has its own)
         if run.save_due(step, last_step, save_every, ckpt["meta"]["step"] if ckpt is not None else None):
@@ -293,35 +305,25 @@ def main():
         if last_step:
             break
 
-        # one optimizer step: grad_accum_steps micro-batches of device_batch_size rows, every token trained (so the
-        # mean of the micro-batch means is the token mean), gradients synced on the last one
-        synchronize(device)
+        # one optimizer step, queued without a host read: grad_accum_steps micro-batches of device_batch_size rows,
+        # every token trained (so the mean of the micro-batch means is the token mean), gradients synced on the last
+        # one; a non-finite gradient norm leaves the weights as they are (on the device)
         t0 = time.time()
         x, y = train_stream.next_batch(rows_per_step)
+        epoch = train_stream.epoch  # the epoch of this step's rows, logged with it
         if step_down is not None:  # an out-of-memory steps every rank down to a smaller size and redoes the step
             loss = step_down.forward_backward(model, x, y, autocast_ctx, step)
             if step_down.device_batch_size != device_batch_size:
                 device_batch_size, grad_accum_steps, eval_steps = batch_sizes(step_down.device_batch_size)
         else:
             loss = training.forward_backward(model, training.micro_batches(x, y, device_batch_size), autocast_ctx)
-        train_loss = all_reduce_scalar(loss, "mean", device)  # the mean over ranks
-        stop = any_rank(nanotrain.stop.requested, device)  # every rank stops after the same step
-        training.check_finite(train_loss, step, run_dir)
         # clip, set the scheduled lr and momentum, update, zero the gradients
         lrm = training.lr_multiplier(step, total_steps, warmup_ratio, warmdown_ratio, final_lr_frac)
         grad_norm = training.optimizer_step(orig_model, optimizers, lrm, training.muon_momentum(step), grad_clip)
-        training.check_finite(grad_norm.item(), step, run_dir, "gradient norm")  # a NaN update was not applied
-        synchronize(device)
-        dt = time.time() - t0
+        stats = training.step_stats(loss, grad_norm, nanotrain.stop.requested, device)  # every rank the same
+        pending = (stats, t0, lrm, epoch)  # read at the top of the loop
         step += 1
         tokens_seen += total_batch_size
-        if step > 1 or ckpt is not None:  # the first step includes warm-up / compilation
-            train_time += dt
-        line, row = run.step_log_line(step, total_steps, loss=train_loss, grad_norm=grad_norm.item(), lrm=lrm, dt=dt,
-                                  tokens=total_batch_size, flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                  world_size=world_size, eta_s=eta.update(step, dt))
-        print0(line)
-        metrics.log(**row, tokens=tokens_seen, epoch=train_stream.epoch)
 
     # ------------------------------------------------------------------------- the end
     # replicas agree, the summary, the report card section

@@ -26,7 +26,7 @@ TINY_VOCAB = 512  # tokenizer vocab (including the 9 special tokens) of the test
 # the tiny base_train configuration the smoke tests use (seconds on 2 cores)
 # the CPU recipe's optimizer values (runs/cpu.sh states them; base_train's defaults are nanochat's GPU recipe)
 CPU_RECIPE = ["--hparam_transfer=False", "--matrix_lr=0.03", "--embedding_lr=0.2", "--unembedding_lr=0.004",
-              "--muon_weight_decay=0.4", "--lr_warmup_steps=0", "--target_param_data_ratio=20"]
+              "--muon_weight_decay=0.4", "--lr_warmup_steps=0", "--grad_clip=1.0", "--target_param_data_ratio=20"]
 TINY_TRAIN = [*CPU_RECIPE, "--depth=2", "--max_seq_len=64", "--device_batch_size=4", "--total_batch_size=512",
               "--eval_tokens=2048", "--eval_every=-1", "--sample_every=-1", "--save_every=-1", "--keep_last=0"]
 

@@ -44,3 +44,16 @@ def test_base_train_depth_200_is_one_line(shared_base_dir):
     r = run_script("base_train.py", "--depth=200", "--num_iterations=1", base_dir=shared_base_dir, timeout=120)
     err = [line for line in r.stderr.strip().splitlines() if not line.startswith("Overriding: ")]
     assert r.returncode != 0 and len(err) == 1 and err[0].startswith("error: --depth=200: the model has "), r.stderr
+
+
+@pytest.mark.smoke
+def test_base_train_huge_max_seq_len_is_one_line(shared_base_dir):
+    """
+    base_train --max_seq_len=10^12 (the rotary tables alone would be ~5 PB, built on the host before the batch-size
+    check) ends with one error line naming --max_seq_len, exit status 2, no traceback. Catches the memory check
+    building the model first (a 40 TB allocation's traceback) and a message naming another flag.
+    """
+    r = run_script("base_train.py", "--max_seq_len=1000000000000", base_dir=shared_base_dir, timeout=120)
+    err = [line for line in r.stderr.strip().splitlines() if not line.startswith("Overriding: ")]
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
+    assert err[0].startswith("error: --max_seq_len=1000000000000: the rotary tables"), err

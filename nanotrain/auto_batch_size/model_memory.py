@@ -34,8 +34,17 @@ def check_model_fits(model_config, device, flag, shards=1):
     allocated) times BYTES_PER_PARAM, divided over `shards` (FSDP ranks), against device_memory_bytes. A lower
     bound, so a model it passes may still run out of memory; one it refuses surely would. Returns the estimate in
     bytes. Raises UserError (one line naming `flag`, e.g. "--depth=200", the parameters and both sizes) otherwise.
+    First, before the build (which computes them on the host): the rotary tables, cos and sin fp32 (10 * max_seq_len,
+    head_dim / 2) each (nanotrain.gpt.GPT), against the host's and the device's memory: a UserError naming
+    --max_seq_len where they alone do not fit.
     """
     from nanotrain.gpt import GPT
+    rotary = 2 * 10 * model_config.max_seq_len * (model_config.model_dim // model_config.n_head // 2) * 4
+    for where, have in (("the host", device_memory_bytes(torch.device("cpu"))), (str(device), device_memory_bytes(device))):
+        if have is not None and rotary > have:
+            raise UserError(f"--max_seq_len={model_config.max_seq_len}: the rotary tables (10 x max_seq_len positions) "
+                            f"alone take {rotary / 2**30:,.1f} GiB, more than the {have / 2**30:.1f} GiB {where} has; "
+                            f"choose a smaller --max_seq_len")
     with torch.device("meta"):
         n = sum(p.numel() for p in GPT(model_config).parameters())
     need = n * BYTES_PER_PARAM // max(1, shards)
