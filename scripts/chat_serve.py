@@ -67,7 +67,7 @@ max_body_bytes = 1_000_000  # the largest request body; larger is answered 413
 max_messages = 64  # messages per request at most
 allowed_hosts = ""  # more Host names to answer, comma-separated (e.g. myserver.lan); "*" answers any Host (only behind a proxy that checks it). Always answered: localhost, 127.0.0.1, [::1], --host, and any IP address when --host is 0.0.0.0 or ::
 idle_timeout = 10  # seconds a connection may stay open with no request in progress (before its first request's headers are in, or between keep-alive requests); then it is closed
-max_connections = 0  # open connections at most; one more closes the longest-idle one (or itself when none is idle). 0: min(1024, the open-file limit (ulimit -n) less 128)
+max_connections = 0  # open connections at most; one more closes the longest-idle one (or itself when none is idle). 0: min(1024, half the open-file limit, ulimit -n)
 num_gpus = 1  # engines, one per GPU (cuda:0..N-1), each request to the least loaded; on a CPU N engines share the cores
 tool = True  # run the calculator tool when the model calls it
 device_type = ""  # cuda | mps | cpu; "" autodetects
@@ -434,10 +434,13 @@ def main():
     # idle sockets cannot starve the server: nanotrain.serve.http_guard.guarded_protocol (no limit_concurrency: it
     # counts idle connections too; the requests in flight are bounded by --max_batch + --max_queue, then 429)
     import resource
+    # half the open-file limit, and a quarter for the sockets accepted at once (the listen backlog) before the
+    # protocol's connection_made closes the longest-idle ones: a burst of connections never runs out of files
     files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    cap = max_connections or max(8, min(1024, (files if files != resource.RLIM_INFINITY else 1 << 20) - 128))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_keep_alive=idle_timeout, http=guarded_protocol(cap, idle_timeout)))
+    files = 1 << 20 if files == resource.RLIM_INFINITY else files
+    cap = max_connections or max(8, min(1024, files // 2))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", backlog=max(16, min(
+        2048, files // 4)), timeout_keep_alive=idle_timeout, http=guarded_protocol(cap, idle_timeout)))
 
     async def serve():
         task = asyncio.create_task(server.serve())
