@@ -25,10 +25,18 @@ Requests are decoded together with continuous batching (nanotrain.batch_engine: 
 the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429), in a process of its own
 (nanotrain.engine_process.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
 one engine process per GPU, each request going to the least loaded (requests submitted and not finished); a client that goes away
-mid-stream frees its row within one decode step, and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
+mid-stream frees its row within one decode step (a non-streamed request's too), and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
 "param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
-range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body over --max_body_bytes), 422 (JSON
-that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --host says otherwise.
+range, n other than 1, JSON nested too deep or a number over 4300 digits), 401 (--api_key set and no matching
+`Authorization: Bearer`, compared in constant time), 403 (a Host header naming another site: DNS rebinding; see
+--allowed_hosts), 404, 405, 413 (a body over --max_body_bytes, chunked or not: reading stops at the limit), 415 (a
+/v1/ POST that is not Content-Type: application/json, so a page on another site cannot post a form to it), 422 (not
+JSON), 429 (the queue is full), 503 (the engine's process died). The guards are nanotrain.serve.http_guard's.
+Connections: one open with no request in progress (not yet sent its headers, or idle between keep-alive requests)
+is closed after --idle_timeout seconds, and one beyond --max_connections closes the longest-idle one, so idle
+sockets cannot use up the server's open files (uvicorn's limit_concurrency is not used: it counts idle connections
+too and would answer every request 503). Behind a proxy (nginx, Caddy) these limits may live there instead. It binds
+127.0.0.1 unless --host says otherwise.
 """
 
 import asyncio
