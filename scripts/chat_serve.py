@@ -74,7 +74,7 @@ max_queue = 16  # requests waiting for a free row at most; more are answered 429
 max_body_bytes = 1_000_000  # the largest request body; larger is answered 413
 max_messages = 64  # messages per request at most
 allowed_hosts = ""  # more Host names to answer, comma-separated (e.g. myserver.lan); "*" answers any Host (only behind a proxy that checks it). Always answered: localhost, 127.0.0.1, [::1], --host, and any IP address when --host is 0.0.0.0 or ::
-idle_timeout = 10  # seconds a connection may stay open with no request in progress (before its first request's headers are in, or between keep-alive requests); then it is closed
+idle_timeout = 10  # seconds a connection may stay open with no request in progress (before its first request's headers are in, or between keep-alive requests; then it is closed), and that a request's body may take to arrive after its headers (then 408)
 max_connections = 0  # open connections at most; one more closes the longest-idle one (or itself when none is idle). 0: min(1024, half the open-file limit, ulimit -n)
 num_gpus = 1  # engines, one per GPU (cuda:0..N-1), each request to the least loaded; on a CPU N engines share the cores
 tool = True  # run the calculator tool when the model calls it
@@ -187,7 +187,7 @@ def make_app(engines, tokenizer, model_id, key):
     app = FastAPI(title="nanotrain", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     # Host, API key, JSON content type, body size, the body parsed once (request.state.json): nanotrain.serve.http_guard
     app.add_middleware(Guard, bound_host=host, allowed_hosts=allowed_hosts.split(","), key=key,
-                       max_body_bytes=max_body_bytes)
+                       max_body_bytes=max_body_bytes, body_timeout=idle_timeout)
     install_error_handlers(app)
     context_len = engines[0].context_len
 
@@ -402,8 +402,9 @@ def make_app(engines, tokenizer, model_id, key):
             return parts, end
         try:
             finished, got = await until_gone(request, collect())  # a client gone: cancelled, its row freed
-        except Exception as e:  # noqa: BLE001
-            return error(APIError(500, str(e), None, "server_error"))
+        except Exception as e:  # noqa: BLE001 - the engine's process died mid-reply: 503, as for the requests after
+            status = 503 if getattr(getattr(req, "engine", None), "dead", None) else 500
+            return error(APIError(status, str(e), None, "server_error"))
         if not finished:
             return error(APIError(499, "the client closed the connection"))
         parts, end = got

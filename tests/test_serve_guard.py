@@ -202,8 +202,8 @@ def test_idle_sockets_cannot_starve_the_server(server):
     600 connections that send nothing, against a server limited to 512 open files: /health still answers well
     before the idle timeout (a new connection closes the longest-idle one: the cap is 256) and the oldest idle
     connections are the ones closed; a connection that trickles a request's headers a byte at a time is closed
-    after --idle_timeout (6 s). Catches a server whose idle sockets use up its files (accept fails; every request
-    times out) and a header timeout that any byte resets.
+    after --idle_timeout (6 s), and a body trickled after whole headers is answered 408 then. Catches a server whose
+    idle sockets use up its files (accept fails; every request times out) and timeouts that any byte resets.
     """
     url, _ = server
     port = int(url.rsplit(":", 1)[1])
@@ -217,32 +217,51 @@ def test_idle_sockets_cannot_starve_the_server(server):
     finally:
         for s in idle:
             s.close()
-    s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    t0, gone = time.time(), None
+    # two trickles at once, a byte every 0.25 s: a request's headers, and a body after whole headers
+    heads = socket.create_connection(("127.0.0.1", port), timeout=10)
+    body = socket.create_connection(("127.0.0.1", port), timeout=10)
+    heads.sendall(b"GET /health HTTP/1.1\r\nX-Slow: ")
+    body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    t0, ends, answer = time.time(), {}, b""
     try:
-        for b in b"GET /health HTTP/1.1\r\nX-Slow: " + b"y" * 100:
-            try:
-                s.send(bytes([b]))
-            except OSError:
-                gone = time.time() - t0
-                break
-            if select.select([s], [], [], 0.25)[0] and s.recv(1) == b"":
-                gone = time.time() - t0
-                break
+        while len(ends) < 2 and time.time() - t0 < IDLE + 8:
+            for name, s in (("heads", heads), ("body", body)):
+                if name in ends:
+                    continue
+                try:
+                    s.send(b"y")
+                    if select.select([s], [], [], 0)[0]:
+                        part = s.recv(4096)
+                        answer += part if name == "body" else b""
+                        if not part or name == "body":
+                            ends[name] = time.time() - t0
+                except OSError:
+                    ends[name] = time.time() - t0
+            time.sleep(0.25)
     finally:
-        s.close()
-    assert gone is not None and IDLE - 0.5 < gone < IDLE + 4, gone
+        heads.close()
+        body.close()
+    assert set(ends) == {"heads", "body"} and all(IDLE - 0.5 < t < IDLE + 4 for t in ends.values()), ends
+    assert answer.startswith(b"HTTP/1.1 408") and b'"error"' in answer, answer[:300]
 
 
 def test_a_dead_engine_is_503_and_nothing_hangs(base):
     """
-    The engine's process killed: a chat request, a completions request with echo, logprobs and max_tokens 0 (no
-    generation, only a scoring forward) and /health are each a 503 error object within seconds. Catches the plain-
-    text 500 of a submit to a dead engine and the scoring request that waited forever for a process that is gone
-    (holding a worker thread).
+    The engine's process killed while a non-streamed request decodes: that request, then a chat request, a
+    completions request with echo, logprobs and max_tokens 0 (no generation, only a scoring forward) and /health are
+    each a 503 error object within seconds. Catches the plain-text 500 of a submit to a dead engine and the scoring
+    request that waited forever for a process that is gone (holding a worker thread).
     """
-    p, url = start_server(base, "tiny")
+    p, url = start_server(base, "tiny", "--context_len=640")
+    running = []
     try:
+        t = threading.Thread(target=lambda: running.append(ask(url, "POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 600}))))
+        t.start()
+        deadline = time.time() + 20
+        while health(url)["decoding"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
         with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
             children = [int(c) for c in f.read().split()]
         assert len(children) == 1
@@ -250,6 +269,8 @@ def test_a_dead_engine_is_503_and_nothing_hangs(base):
         deadline = time.time() + 10
         while ask(url, "GET", "/health")[0] != 503 and time.time() < deadline:
             time.sleep(0.05)
+        t.join(timeout=20)
+        assert running and running[0][0] == 503 and is_error(running[0][1]), running
         for path, body in (("/v1/chat/completions", CHAT),
                            ("/v1/completions", {"prompt": "a b c", "echo": True, "logprobs": 1, "max_tokens": 0}),
                            ("/health", None)):
@@ -272,3 +293,22 @@ def test_the_guard_compares_the_key_in_constant_time(monkeypatch):
     assert not http_guard.key_matches("Bearer s3cre", "s3cret") and not http_guard.key_matches(None, "s3cret")
     assert not http_guard.key_matches("s3cret", "s3cret") and not http_guard.key_matches("Bearer s3cret\u00e9",
                                                                                         "s3cret")
+
+
+def test_the_guard_knows_this_servers_names():
+    """
+    Guard.host_ok: bound to 127.0.0.1, the local names with or without a port (any case) and the --allowed_hosts
+    names pass, another site's name or IP does not; bound to 0.0.0.0, any IP literal (v4, bracketed v6) passes but a
+    name still needs listing; "*" passes anything; no Host (HTTP/1.0) passes. Catches a port or a case that
+    turns a local name foreign, and a suffix match ("localhost.attacker.example").
+    """
+    from nanotrain.serve.http_guard import Guard
+    local = Guard(None, "127.0.0.1", ["myserver.lan"])
+    assert all(local.host_ok(h) for h in ["localhost", "LocalHost:8000", "127.0.0.1:1", "[::1]:8000", "[::1]",
+                                          "myserver.lan:8000", None])
+    assert not any(local.host_ok(h) for h in ["attacker.example", "localhost.attacker.example:8000", "10.0.0.7:80",
+                                              "127.0.0.1.attacker.example", ""])
+    wide = Guard(None, "0.0.0.0")
+    assert wide.host_ok("10.0.0.7:8000") and wide.host_ok("[fe80::1]:8000") and wide.host_ok("0.0.0.0:8000")
+    assert not wide.host_ok("attacker.example:8000")
+    assert Guard(None, "127.0.0.1", ["*"]).host_ok("attacker.example")

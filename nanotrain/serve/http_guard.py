@@ -13,7 +13,8 @@ Guard, an ASGI middleware, before any route runs:
     address without the browser asking the server first (a CORS "simple request"); a JSON POST needs the browser's
     preflight (OPTIONS), which this server does not grant.
   - the body of a /v1/ POST: at most max_body_bytes, announced by Content-Length or chunked alike; reading stops at
-    the limit (413; the rest the client sends is discarded by uvicorn, not kept). It is read and parsed here, once:
+    the limit (413; the rest the client sends is discarded by uvicorn, not kept), and within body_timeout seconds of
+    its headers (408: a body trickled a byte at a time holds no request open). It is read and parsed here, once:
     the routes take the JSON value from request.state.json. Not JSON: 422; nested deeper than the parser goes or a
     number longer than Python reads (int's 4300-digit limit): 400; `n` other than 1: 400 (one choice per request).
 install_error_handlers: unknown routes (404), wrong methods (405) and any exception a route lets through (500
@@ -30,7 +31,8 @@ import ipaddress
 import json
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               413: "invalid_request_error",
                415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 LOCAL_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
@@ -71,12 +73,12 @@ class Guard:
     """
     The ASGI middleware of the module docstring around `app`. bound_host: the address the server binds (str);
     allowed_hosts: more Host names to accept (iterable of str; "*" accepts any); key: the API key ("" for none);
-    max_body_bytes: the largest request body (int). The JSON value of a /v1/ POST is put in scope["state"]["json"]
+    max_body_bytes: the largest request body (int); body_timeout: seconds the body may take (float). The JSON value of a /v1/ POST is put in scope["state"]["json"]
     (request.state.json) and its body replayed to the app (request.body() still works).
     """
 
-    def __init__(self, app, bound_host, allowed_hosts=(), key="", max_body_bytes=1_000_000):
-        self.app, self.key, self.max_body_bytes = app, key, max_body_bytes
+    def __init__(self, app, bound_host, allowed_hosts=(), key="", max_body_bytes=1_000_000, body_timeout=10.0):
+        self.app, self.key, self.max_body_bytes, self.body_timeout = app, key, max_body_bytes, body_timeout
         names = {n.strip().lower() for n in allowed_hosts if n.strip()}
         self.any_host = "*" in names
         self.any_ip = bound_host in ("0.0.0.0", "::", "")
@@ -112,8 +114,12 @@ class Guard:
         if length is not None and (not length.strip().isdigit() or int(length) > self.max_body_bytes):
             return await refuse(413, too_big)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
         while True:  # as it comes, never more than the limit (uvicorn pauses the socket until this reads)
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await refuse(408, f"the request body did not arrive within {self.body_timeout:g} s")
             if message["type"] == "http.disconnect":
                 return None
             chunks.append(message.get("body", b""))
