@@ -443,13 +443,14 @@ def main():
     # idle sockets cannot starve the server: nanotrain.serve.http_guard.guarded_protocol (no limit_concurrency: it
     # counts idle connections too; the requests in flight are bounded by --max_batch + --max_queue, then 429)
     import resource
-    # half the open-file limit, and a quarter for the sockets accepted at once (the listen backlog) before the
-    # protocol's connection_made closes the longest-idle ones: a burst of connections never runs out of files
+    # at most half the open-file limit; asyncio accepts up to `backlog` sockets per event-loop tick, for 3-4 ticks
+    # before the protocol's connection_made closes the longest-idle ones: an eighth of the rest, so that a burst of
+    # connections never runs out of files
     files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     files = 1 << 20 if files == resource.RLIM_INFINITY else files
     cap = max_connections or max(8, min(1024, files // 2))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", backlog=max(16, min(
-        2048, files // 4)), timeout_keep_alive=idle_timeout, http=guarded_protocol(cap, idle_timeout)))
+        2048, (files - cap) // 8)), timeout_keep_alive=idle_timeout, http=guarded_protocol(cap, idle_timeout)))
 
     async def serve():
         task = asyncio.create_task(server.serve())

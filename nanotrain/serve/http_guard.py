@@ -219,9 +219,9 @@ def guarded_protocol(max_connections, idle_timeout):
         def connection_made(self, transport):
             super().connection_made(transport)
             self._arm()
-            if len(self.connections) > max_connections:
-                idle = [c for c in self.connections if c is not self and getattr(c, "idle_since", None) is not None
-                        and c._idle()]
+            live = [c for c in self.connections if c.transport is not None and not c.transport.is_closing()]
+            if len(live) > max_connections:  # (closed ones stay listed until their connection_lost, a tick later)
+                idle = [c for c in live if c is not self and getattr(c, "idle_since", None) is not None and c._idle()]
                 (min(idle, key=lambda c: c.idle_since) if idle else self)._close()
 
         def on_response_complete(self):
