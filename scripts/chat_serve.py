@@ -345,13 +345,14 @@ def make_app(engines, tokenizer, model_id, key):
         async def run():
             return [await loop.run_in_executor(None, complete, ids, n, temperature, top_k, seed, echo, logprobs,
                                                submitted) for ids in prompts]
+        finished = False
         try:
             finished, choices = await until_gone(request, run())
         except QueueFull:
             return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
                                   "rate_limit_error"))
         finally:
-            for req in submitted:  # a client gone: its generations stop (a no-op for those that ended)
+            for req in submitted if not finished else []:  # a client gone (or an error): its generations stop
                 req.cancel()
         if not finished:
             return error(APIError(499, "the client closed the connection"))
