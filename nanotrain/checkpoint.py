@@ -55,10 +55,33 @@ def step_of(path):
     return parsed[0]
 
 
+class _DropsWritesOnceClosed:
+    """
+    The file torch.save writes a checkpoint file through: its own file's methods, except that write and seek do
+    nothing once it is closed. torch's zip writer (torch._C.PyTorchFileWriter) writes the archive's end from its C++
+    destructor when torch.save was interrupted before it did (a second Ctrl-C between two bytecodes of torch.save's
+    exit). That destructor runs when the KeyboardInterrupt's traceback is freed, long after `with open(...)` closed
+    the file; a write that raises there ("write to closed file") aborts the process (std::terminate) after the
+    right line was printed. The unfinished file is deleted with its directory anyway.
+    """
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, b):
+        return len(memoryview(b)) if self.f.closed else self.f.write(b)
+
+    def seek(self, *args):
+        return 0 if self.f.closed else self.f.seek(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 def _save_tensors(obj, path):
     """torch.save(obj) to `path`, flushed and fsynced before it returns (durable before the commit marker)."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        torch.save(obj, _DropsWritesOnceClosed(f))
         f.flush()
         os.fsync(f.fileno())
 

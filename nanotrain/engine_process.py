@@ -107,6 +107,9 @@ class EngineProcess:
         with self.send_lock:
             rid, self.next_id = self.next_id, self.next_id + 1
             self.scores[rid] = future
+        if self.dead is not None:  # checked after the future is listed: _read fails the ones listed before it died
+            self.scores.pop(rid, None)
+            raise UserError(self.dead)
         self.send(("score", rid, list(ids), k))
         return future.result()
 
@@ -167,7 +170,9 @@ def engine_main(commands, events):
         if context_len > model.rotary_len:
             raise UserError(f"--context_len={context_len}: at most {model.rotary_len} (10 x max_seq_len, the rotary "
                             f"table)")
-        engine = BatchEngine(model, tokenizer, max_batch, max_queue, context_len or None)
+        # the server (EngineProcess.submit) bounds the requests outstanding to max_batch + max_queue; the engine's own
+        # queue holds them all, as a burst may arrive before its next step gives any a row
+        engine = BatchEngine(model, tokenizer, max_batch, max_batch + max_queue, context_len or None)
     except UserError as e:
         send(("error", str(e)))
         return

@@ -25,10 +25,18 @@ Requests are decoded together with continuous batching (nanotrain.batch_engine: 
 the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429), in a process of its own
 (nanotrain.engine_process.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
 one engine process per GPU, each request going to the least loaded (requests submitted and not finished); a client that goes away
-mid-stream frees its row within one decode step, and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
+mid-stream frees its row within one decode step (a non-streamed request's too), and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
 "param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
-range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body over --max_body_bytes), 422 (JSON
-that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --host says otherwise.
+range, n other than 1, JSON nested too deep or a number over 4300 digits), 401 (--api_key set and no matching
+`Authorization: Bearer`, compared in constant time), 403 (a Host header naming another site: DNS rebinding; see
+--allowed_hosts), 404, 405, 413 (a body over --max_body_bytes, chunked or not: reading stops at the limit), 415 (a
+/v1/ POST that is not Content-Type: application/json, so a page on another site cannot post a form to it), 422 (not
+JSON), 429 (the queue is full), 503 (the engine's process died). The guards are nanotrain.serve.http_guard's.
+Connections: one open with no request in progress (not yet sent its headers, or idle between keep-alive requests)
+is closed after --idle_timeout seconds, and one beyond --max_connections closes the longest-idle one, so idle
+sockets cannot use up the server's open files (uvicorn's limit_concurrency is not used: it counts idle connections
+too and would answer every request 503). Behind a proxy (nginx, Caddy) these limits may live there instead. It binds
+127.0.0.1 unless --host says otherwise.
 """
 
 import asyncio
@@ -49,6 +57,7 @@ from nanotrain.configurator import configure
 from nanotrain.engine import TextStream, readable
 from nanotrain.engine_process import EngineProcess
 from nanotrain.errors import UserError
+from nanotrain.serve.http_guard import Guard, guarded_protocol, install_error_handlers, until_gone
 from nanotrain.tokenizer import get_tokenizer
 
 # ----------------------------------------------------------------------------- settings
@@ -64,6 +73,9 @@ max_batch = 8  # requests decoded together at most (rows of the KV cache)
 max_queue = 16  # requests waiting for a free row at most; more are answered 429
 max_body_bytes = 1_000_000  # the largest request body; larger is answered 413
 max_messages = 64  # messages per request at most
+allowed_hosts = ""  # more Host names to answer, comma-separated (e.g. myserver.lan); "*" answers any Host (only behind a proxy that checks it). Always answered: localhost, 127.0.0.1, [::1], --host, and any IP address when --host is 0.0.0.0 or ::
+idle_timeout = 10  # seconds a connection may stay open with no request in progress (before its first request's headers are in, or between keep-alive requests; then it is closed), and that a request's body may take to arrive after its headers (then 408)
+max_connections = 0  # open connections at most; one more closes the longest-idle one (or itself when none is idle). 0: min(1024, half the open-file limit, ulimit -n)
 num_gpus = 1  # engines, one per GPU (cuda:0..N-1), each request to the least loaded; on a CPU N engines share the cores
 tool = True  # run the calculator tool when the model calls it
 device_type = ""  # cuda | mps | cpu; "" autodetects
@@ -159,7 +171,7 @@ def make_app(engines, tokenizer, model_id, key):
     """The FastAPI app serving `engines` (nanotrain.engine_process.EngineProcess or batch_engine.BatchEngine objects
     of one checkpoint, one per device; each request goes to the least loaded). key: the bearer token required, or
     ""."""
-    from fastapi import Depends, FastAPI, Request
+    from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     loop = None  # the server's event loop, known once it runs
@@ -173,10 +185,17 @@ def make_app(engines, tokenizer, model_id, key):
         yield
 
     app = FastAPI(title="nanotrain", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # Host, API key, JSON content type, body size, the body parsed once (request.state.json): nanotrain.serve.http_guard
+    app.add_middleware(Guard, bound_host=host, allowed_hosts=allowed_hosts.split(","), key=key,
+                       max_body_bytes=max_body_bytes, body_timeout=idle_timeout)
+    install_error_handlers(app)
     context_len = engines[0].context_len
 
     def least_loaded():
-        return min(engines, key=lambda e: e.load())
+        live = [e for e in engines if not getattr(e, "dead", None)]
+        if not live:
+            raise APIError(503, "; ".join(e.dead for e in engines), None, "server_error")
+        return min(live, key=lambda e: e.load())
 
     def counts(prompt_tokens, completion_tokens):
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -189,13 +208,6 @@ def make_app(engines, tokenizer, model_id, key):
     async def api_error(request, e):
         return error(e)
 
-    async def guard(request: Request):  # every /v1/ route's dependency (a plain function: no middleware per chunk)
-        if key and request.headers.get("authorization") != f"Bearer {key}":
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", None, "authentication_error")
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            raise APIError(413, f"the request body is over {max_body_bytes} bytes")
-
     @app.get("/health")
     async def health():
         dead = [getattr(e, "dead", None) for e in engines]
@@ -205,7 +217,7 @@ def make_app(engines, tokenizer, model_id, key):
         return {"status": "ok", "model": model_id, "decoding": sum(p["decoding"] for p in per),
                 "waiting": sum(p["waiting"] for p in per), "engines": per}
 
-    @app.get("/v1/models", dependencies=[Depends(guard)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "nanotrain"}]}
 
@@ -270,11 +282,15 @@ def make_app(engines, tokenizer, model_id, key):
         finally:
             req.cancel()
 
-    def complete(ids, n, temperature, top_k, seed, echo, logprobs):
+    def complete(ids, n, temperature, top_k, seed, echo, logprobs, submitted=None):
         """One completion choice: the new tokens (through the batch engine), and with echo or logprobs the
-        log-probabilities of every token from one forward of prompt + completion."""
+        log-probabilities of every token from one forward of prompt + completion. submitted: a list the request is
+        appended to (whoever holds it may cancel it)."""
         batch = least_loaded()
-        gen = list(batch.submit(ids, n, temperature, top_k, seed)) if n > 0 else []
+        req = batch.submit(ids, n, temperature, top_k, seed) if n > 0 else []
+        if submitted is not None and n > 0:
+            submitted.append(req)
+        gen = list(req)
         full = ids + gen
         first = 0 if echo else len(ids)
         choice = {"text": tokenizer.decode(full[first:]), "finish_reason": "length" if len(gen) >= n else "stop",
@@ -292,13 +308,9 @@ def make_app(engines, tokenizer, model_id, key):
                                   "top_logprobs": top[first:], "text_offset": offsets}
         return choice
 
-    @app.post("/v1/completions", dependencies=[Depends(guard)])
+    @app.post("/v1/completions")
     async def completions(request: Request):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(APIError(422, f"the body is not JSON: {e}"))
+        body = request.state.json  # read, size-checked and parsed by the Guard middleware
         if not isinstance(body, dict):
             return error(APIError(400, "the request body must be a JSON object"))
         prompt = body.get("prompt")
@@ -328,27 +340,30 @@ def make_app(engines, tokenizer, model_id, key):
             temperature, top_k, seed = parse_sampling(body)
         except APIError as e:
             return error(e)
-        loop = asyncio.get_running_loop()
+        loop, submitted = asyncio.get_running_loop(), []
+
+        async def run():
+            return [await loop.run_in_executor(None, complete, ids, n, temperature, top_k, seed, echo, logprobs,
+                                               submitted) for ids in prompts]
+        finished = False
         try:
-            choices = [await loop.run_in_executor(None, complete, ids, n, temperature, top_k, seed, echo, logprobs)
-                       for ids in prompts]
+            finished, choices = await until_gone(request, run())
         except QueueFull:
             return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
                                   "rate_limit_error"))
+        finally:
+            for req in submitted if not finished else []:  # a client gone (or an error): its generations stop
+                req.cancel()
+        if not finished:
+            return error(APIError(499, "the client closed the connection"))
         used = sum(c.pop("completion_tokens") for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_id, "choices": [dict(c, index=i) for i, c in enumerate(choices)],
                 "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": used}}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(guard)])
+    @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            return error(APIError(413, f"the request body is over {max_body_bytes} bytes"))
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(APIError(422, f"the body is not JSON: {e}"))
+        body = request.state.json  # read, size-checked and parsed by the Guard middleware
         try:
             ids, n, temperature, top_k, seed, stop, stream, usage = parse_request(body, context_len, tokenizer)
         except APIError as e:
@@ -381,12 +396,19 @@ def make_app(engines, tokenizer, model_id, key):
                     yield "data: " + json.dumps(APIError(500, str(e), None, "server_error").body()) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        parts = []
-        try:
+        async def collect():
+            parts, end = [], None
             async for delta, end in replies(req, stop):
                 parts.append(delta)
-        except Exception as e:  # noqa: BLE001
-            return error(APIError(500, str(e), None, "server_error"))
+            return parts, end
+        try:
+            finished, got = await until_gone(request, collect())  # a client gone: cancelled, its row freed
+        except Exception as e:  # noqa: BLE001 - the engine's process died mid-reply: 503, as for the requests after
+            status = 503 if getattr(getattr(req, "engine", None), "dead", None) else 500
+            return error(APIError(status, str(e), None, "server_error"))
+        if not finished:
+            return error(APIError(499, "the client closed the connection"))
+        parts, end = got
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
                              "finish_reason": end[0]}],
@@ -419,7 +441,17 @@ def main():
     model_id = f"nanotrain-{stage}-{os.path.basename(os.path.dirname(os.path.dirname(path)))}-{meta['step']}"
     key = api_key or os.environ.get("NANOTRAIN_API_KEY", "")
     app = make_app(engines, tokenizer, model_id, key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    # idle sockets cannot starve the server: nanotrain.serve.http_guard.guarded_protocol (no limit_concurrency: it
+    # counts idle connections too; the requests in flight are bounded by --max_batch + --max_queue, then 429)
+    import resource
+    # at most half the open-file limit; asyncio accepts up to `backlog` sockets per event-loop tick, for 3-4 ticks
+    # before the protocol's connection_made closes the longest-idle ones: an eighth of the rest, so that a burst of
+    # connections never runs out of files
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    files = 1 << 20 if files == resource.RLIM_INFINITY else files
+    cap = max_connections or max(8, min(1024, files // 2))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", backlog=max(16, min(
+        2048, (files - cap) // 8)), timeout_keep_alive=idle_timeout, http=guarded_protocol(cap, idle_timeout)))
 
     async def serve():
         task = asyncio.create_task(server.serve())

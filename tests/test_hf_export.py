@@ -544,3 +544,76 @@ def test_export_script_hf_offline(base_dir, model, tok):
                    env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode != 0 and "backout=True" in r.stderr.strip().splitlines()[-1]
     assert not os.path.exists(base_dir / "base" / "b" / "export")
+
+
+@pytest.mark.unit
+def test_transformers_serve_finds_the_registered_architecture(exported, model, tok):
+    """
+    nanotrain.export.hf_serve.register: transformers serve's own lookup of the export, getattr(transformers,
+    config.architectures[0]) (transformers 5.24's ModelManager._load_model), finds the directory's own class, its
+    name is a causal LM's (serve's modality check), and that class's from_pretrained (what serve calls, with
+    trust_remote_code) gives the project's logits. Catches the lookup that fails without it ("module transformers has
+    no attribute NanotrainForCausalLM") and a class registered under another name than the config's.
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from nanotrain.export.hf_serve import register
+    path, _, _ = exported
+    name = json.load(open(os.path.join(path, "config.json")))["architectures"][0]
+    try:
+        cls = register(path)
+        assert getattr(transformers, name) is cls and name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        hf = getattr(transformers, name).from_pretrained(path, trust_remote_code=True).eval()
+        idx = rows_for(tok)
+        with torch.no_grad():
+            assert (hf(idx).logits - model(idx)).abs().max().item() < 1e-5
+    finally:
+        transformers.__dict__.pop(name, None)
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.pop("nanotrain", None)
+
+
+@pytest.mark.slow  # transformers serve starts in ~20 s; needs transformers[serving] (accelerate: serve sets device_map)
+def test_transformers_serve_answers_engines_greedy_reply(exported, model, tok):
+    """
+    `python -m nanotrain.export.hf_serve DIR --trust-remote-code --device cpu` (transformers serve on the export,
+    offline): a chat completion at temperature 0 of 8 tokens is Engine's greedy reply to the project's rendering of
+    the same conversation. Catches a server that cannot load the export and a chat template or a generation that
+    differ from the project's.
+    """
+    import importlib.util
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from helpers import REPO
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("transformers serve needs transformers[serving] (accelerate)")
+    path, _, _ = exported
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, "-m", "nanotrain.export.hf_serve", path, "--trust-remote-code", "--device",
+                          "cpu", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    try:
+        deadline, reply = time.time() + 180, None
+        while reply is None and time.time() < deadline and p.poll() is None:
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", method="POST", data=json.dumps(
+                    {"model": path, "messages": messages, "max_tokens": 8, "temperature": 0}).encode(),
+                    headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    reply = json.loads(r.read())["choices"][0]["message"]["content"]
+            except OSError:
+                time.sleep(1)
+        assert reply is not None, p.stderr.read()[-3000:] if p.poll() is not None else "no answer in 180 s"
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    ids = tok.render_for_completion({"messages": messages})
+    want = Engine(model, tok).generate([ids], max_tokens=8)[0]
+    assert reply == tok.decode(want)

@@ -10,6 +10,8 @@ tok.apply_chat_template(messages, add_generation_prompt=True) and model.generate
 transformers' own layer_types and sliding_window (= the project's window + 1: transformers counts keys). A checkpoint
 trained with smear, backout or x0_lambdas is refused in one line. lm-evaluation-harness runs on any export:
 `lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True,add_bos_token=True --tasks hellaswag`.
+`transformers serve` (OpenAI's API) runs it through `python -m nanotrain.export.hf_serve DIR --trust-remote-code`
+(nanotrain.export.hf_serve: plain `transformers serve` looks the architecture up among its own classes and fails).
 
 The directory holds config.json (nanotrain.export.hf_modeling.NanotrainConfig, auto_map naming modeling_nanotrain.py),
 generation_config.json, model.safetensors (the GPT's own parameter names), modeling_nanotrain.py (a verbatim copy
