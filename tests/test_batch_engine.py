@@ -189,3 +189,43 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
     assert max(worst, prefilled) <= 64, calls
     chunks = [i for i, (B, T) in enumerate(calls) if i >= arrived and (B, T) in ((1, 64), (1, 8))]
     assert len(chunks) == 4 and sum(T == 1 for _, T in calls[chunks[0]:chunks[-1]]) >= 3, calls[arrived:]
+
+
+@pytest.mark.parametrize("smear", [False, True])
+def test_the_static_decode_step_equals_solo_greedy(smear):
+    """
+    The decode step that CUDA graphs capture (nanotrain.serve.decode: every row over every key slot, each row masked
+    to its own tokens, keys written at each row's own slot) run eagerly on the CPU: staggered requests still get
+    their solo greedy tokens, smear's embedding kept per row. Catches a static step that writes a key at the wrong
+    slot, attends past a row's length, advances a free row's length, or loses smear's embedding.
+    """
+    from nanotrain.serve.decode import compiled_decode
+    m, tok = model(smear), Tok()
+    prompts = [[(7 * i + j) % 58 for j in range(3 + i)] for i in range(6)]
+    want = [Engine(m, tok).generate([p], 4 + i)[0] for i, p in enumerate(prompts)]
+    batch = BatchEngine(m, tok, max_batch=3, max_queue=9, context_len=32)
+    batch.decode = compiled_decode(m, 3, compile=False)
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs.append(batch.submit(Gen(p, 4 + i)))
+        time.sleep(0.003)
+    assert [list(r) for r in reqs] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_decode_step_on_cuda():
+    """
+    On CUDA the decode step through torch.compile(mode="reduce-overhead") (CUDA graphs): staggered requests get
+    their solo greedy tokens (fp32), and the engine did not fall back to the eager step (a compile that fails
+    prints a warning and decodes eagerly). Catches a compiled step that fails to capture or replays stale inputs.
+    """
+    m, tok = model(True).cuda(), Tok()
+    prompts = [[(7 * i + j) % 58 for j in range(3 + i)] for i in range(6)]
+    want = [Engine(m, tok).generate([p], 4 + i)[0] for i, p in enumerate(prompts)]
+    batch = BatchEngine(m, tok, max_batch=3, max_queue=9, context_len=32, compile=True)
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs.append(batch.submit(Gen(p, 4 + i)))
+        time.sleep(0.003)
+    assert [list(r) for r in reqs] == want and batch.decode is not None

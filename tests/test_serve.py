@@ -447,18 +447,26 @@ def test_completions_logprobs_are_the_models(server):
 
 
 def test_serve_bench_runs_against_the_server(server):
-    """scripts/serve_bench.py against the running server at 1 and 2 concurrent streams: one JSON object with ttft,
-    per-stream and aggregate tokens/s per concurrency. Catches a benchmark that cannot talk to the server it measures
-    (a wrong route, auth not sent)."""
+    """scripts/serve_bench.py against the running server at 1 and 2 concurrent streams with ignore_eos, and Engine's
+    static batch on the same checkpoint: one JSON object with ttft, per-stream and aggregate tokens/s per concurrency,
+    every stream 6 tokens long (the server's usage: ignore_eos decodes past the stop tokens). Catches a benchmark
+    that cannot talk to the server it measures (a wrong route, auth not sent) and a server that ignores
+    ignore_eos (a reply stopping early would give fewer tokens)."""
     url, base = server
     r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "serve_bench.py"), f"--url={url}/v1",
-                        "--api_key=k", "--concurrency=1,2", "--max_tokens=4", "--rounds=1"], capture_output=True,
+                        "--api_key=k", "--concurrency=1,2", "--max_tokens=6", "--rounds=1", "--source=base",
+                        "--run_name=tiny", "--threads=1"], capture_output=True,
                        text=True, timeout=120, env=dict(os.environ, NANOTRAIN_BASE_DIR=str(base)), cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout[r.stdout.index("{"):])
-    assert set(out["by_concurrency"]) == {"1", "2"}
+    assert set(out["by_concurrency"]) == {"1", "2"} and out["threads"] == 1 and out["ignore_eos"]
     for row in out["by_concurrency"].values():
         assert 0 < row["ttft_p50"]["median"] <= row["ttft_p90"]["max"] and row["aggregate_tok_s"]["min"] > 0
+        assert row["engine_static_tok_s"]["min"] > 0
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
 
 
 def test_the_chat_page_is_served(server):
