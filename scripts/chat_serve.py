@@ -8,8 +8,10 @@ OpenAI's chat completions API and a chat page.
 
 Endpoints:
   POST /v1/chat/completions  OpenAI's request and response schema: messages (system, user, assistant), max_tokens or
-                             max_completion_tokens, temperature, top_k (an extension), seed, stop, stream,
-                             stream_options. Streaming answers Server-Sent Events in OpenAI's chunk format (the first
+                             max_completion_tokens (absent: up to the end of the context, at most --max_tokens when
+                             set), temperature (below 1e-6 greedy), top_k and ignore_eos (extensions, as vLLM's), seed,
+                             stop (the reply ends before the first stop string; text that may begin one is held
+                             back until it cannot), stream, stream_options. Streaming answers Server-Sent Events in OpenAI's chunk format (the first
                              chunk carries the role, the last finish_reason "stop" or "length", then with
                              stream_options.include_usage one with the usage, then `data: [DONE]`); a chunk carries
                              what was decoded since the one before (one token unless the client reads slower than
@@ -22,11 +24,14 @@ Endpoints:
                              scores log-likelihood tasks on the native checkpoint (a text prompt starts with <|bos|>).
   GET /v1/models, GET /health (503 once an engine's process has died), GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
 Requests are decoded together with continuous batching (nanotrain.serve.batch_engine: a request joins the running batch at
-the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429), in a process of its own
+the next decode step, --max_batch rows at most (by default what the KV cache's memory allows, at most 16 on a CPU and
+256 on a GPU: printed at start), --max_queue more waiting, beyond that 429; a long prompt is prefilled
+--prefill_chunk tokens per step between decode steps; on CUDA the decode step is a CUDA graph), in a process of its own
 (nanotrain.serve.engine_process.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
 one engine process per GPU, each request going to the least loaded (requests submitted and not finished); a client that goes away
 mid-stream frees its row within one decode step, and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
-"param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
+"param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context or a prompt that fills it: code
+"context_length_exceeded", on which the chat page drops the conversation's oldest turns; temperature or top_k out of
 range), 401 (--api_key set and no matching `Authorization: Bearer`), 413 (a body over --max_body_bytes), 422 (JSON
 that is not the schema), 429 (the queue is full). It binds 127.0.0.1 unless --host says otherwise.
 """
@@ -178,11 +183,11 @@ def make_app(engines, tokenizer, model_id, key):
         completion."""
         batch = least_loaded()
         ids, n = request.prompt, request.max_tokens
-        gen = list(batch.submit(request)) if n > 0 else []
-        full = ids + gen
+        new = list(batch.submit(request)) if n > 0 else []
+        full = ids + new
         first = 0 if echo else len(ids)
-        choice = {"text": tokenizer.decode(full[first:]), "finish_reason": "length" if len(gen) >= n else "stop",
-                  "logprobs": None, "completion_tokens": len(gen)}
+        choice = {"text": tokenizer.decode(full[first:]), "finish_reason": "length" if len(new) >= n else "stop",
+                  "logprobs": None, "completion_tokens": len(new)}
         if logprobs is not None:
             scores, tops = batch.score(full, logprobs) if len(full) > 1 else ([], [])
             tokens = [tokenizer.decode([t]) for t in full]
@@ -237,8 +242,8 @@ def make_app(engines, tokenizer, model_id, key):
             choices = [await loop.run_in_executor(None, complete, GenerationRequest(ids, n, temperature, top_k, seed),
                                                   echo, logprobs) for ids in prompts]
         except QueueFull:
-            return error(APIError(429, f"{engines[0].max_queue} requests are waiting already; try again later", None,
-                                  "rate_limit_error"))
+            return error(APIError(429, f"{engines[0].max_queue} requests are waiting already; try again later",
+                                  None, "rate_limit_error"))
         used = sum(c.pop("completion_tokens") for c in choices)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_id, "choices": [dict(c, index=i) for i, c in enumerate(choices)],
@@ -261,8 +266,8 @@ def make_app(engines, tokenizer, model_id, key):
         try:
             req = least_loaded().submit(gen)
         except QueueFull:
-            return error(APIError(429, f"{engines[0].max_queue} requests are waiting already; try again later", None,
-                                  "rate_limit_error"))
+            return error(APIError(429, f"{engines[0].max_queue} requests are waiting already; try again later",
+                                  None, "rate_limit_error"))
         req.event = asyncio.Event()  # before any await: the engine's wake-ups run on this loop, after it
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 

@@ -147,7 +147,8 @@ class BatchEngine:
 
     def __init__(self, model, tokenizer, max_batch=8, max_queue=16, context_len=None, notify=None, prefill_chunk=256,
                  compile=False):
-        self.model, self.tokenizer, self.max_batch, self.notify = model, tokenizer, max_batch, notify
+        self.model, self.tokenizer, self.max_batch, self.max_queue = model, tokenizer, max_batch, max_queue
+        self.notify = notify
         self.context_len, self.prefill_chunk = context_len or model.config.max_seq_len, max(1, prefill_chunk)
         self.stop_ids = {tokenizer.encode_special("<|assistant_end|>"), tokenizer.get_bos_token_id()}
         self.decode = compiled_decode(model, max_batch) if compile else None
