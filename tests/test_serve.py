@@ -64,10 +64,10 @@ def server(shared_base_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server256(server):
-    """chat_serve.py on the same checkpoint with every default (the model's context of 256 tokens, --max_batch from
-    the KV cache's memory: 16 on a CPU, one engine); yields (base_url, base dir, what it printed before serving)."""
+    """chat_serve.py on the same checkpoint with every default but the CPU (the model's context of 256 tokens,
+    --max_batch from the KV cache's memory: 16 on a CPU, one engine); yields (base_url, base dir, what it printed before serving)."""
     _, base = server
-    p, url = start_server(base, "tiny")
+    p, url = start_server(base, "tiny", "--device_type=cpu")
     try:
         yield url, base, p.seen
     finally:
@@ -248,6 +248,28 @@ def test_no_max_tokens_replies_to_the_end_of_the_context(server256):
     status, obj = post(url, {"messages": messages, "max_tokens": 1000})
     assert status == 400 and obj["error"]["param"] == "max_tokens" and obj["error"]["code"] == "context_length_exceeded"
 
+
+
+def test_a_tiny_temperature_beside_other_streams_is_greedy(server):
+    """
+    temperature 1e-300 (it passes the range check) sent while other requests decode: it answers 200 with the greedy
+    reply, and so do the others. Catches a sampler that divides by it (inf / NaN, an exception inside the shared
+    decode step: every request of the batch answered 500).
+    """
+    url, base = server
+    messages = [{"role": "user", "content": "What is 3 + 4?"}]
+    want = readable(engine_reply(base, messages, 10)[0])
+    out = [None] * 4
+
+    def one(i):
+        out[i] = post(url, {"messages": messages, "max_tokens": 10, "temperature": 1e-300 if i % 2 else 0})
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [status for status, _ in out] == [200] * 4, out
+    assert all(obj["choices"][0]["message"]["content"] == want for _, obj in out)
 
 
 def test_a_client_gone_mid_stream_frees_its_row(server):

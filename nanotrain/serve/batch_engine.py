@@ -268,6 +268,12 @@ class BatchEngine:
         appended to `touched`."""
         self._compact(cache, last)
         device = last.device
+        if self.filling is not None and self.filling.cancelled.is_set():  # its client left during its chunks
+            req, self.filling = self.filling, None
+            cache.free_row(self.max_batch - 1)
+            req.finish_reason = "stop"
+            req.tokens.put(None)
+            touched.append(req)
         budget = self.prefill_chunk - (self._fill(cache, last, self.prefill_chunk, touched) if self.filling else 0)
         admitted = []
         while self.active() + len(admitted) + (self.filling is not None) < self.max_batch and budget > 0:
