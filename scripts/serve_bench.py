@@ -1,7 +1,8 @@
 """
 Inference benchmark of an OpenAI-compatible server (scripts/chat_serve.py or any other): N concurrent streaming clients
 (the `openai` SDK's AsyncOpenAI) send the same prompts with greedy decoding and a fixed max_tokens every round, at each
-N of --concurrency, with ignore_eos (the server's extension, as vLLM's: every reply max_tokens long); reported per N: time to first token (ttft) p50 and p90 in seconds, per-stream decode tokens/s
+N of --concurrency, with ignore_eos (the server's extension, as vLLM's: every reply max_tokens long); reported per
+N: time to first token (ttft) p50 and p90 in seconds, per-stream decode tokens/s
 (the completion's tokens after the first over the time after the first piece), aggregate tokens/s (every stream's
 completion tokens over the round's wall time); median, min and max over --rounds. Tokens are the server's own count (the usage
 chunk of stream_options.include_usage): a server may send several tokens in one chunk. With --source set, the same

@@ -147,8 +147,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
     """
     Eight streams decoding, then a 200-token prompt arrives (prefill_chunk 64): every model forward is recorded (a
     forward pre-hook on the real model); from its arrival on, between two decode steps the prompt tokens prefilled
-    are at most 64 (one chunk), the streams decode on while the long prompt's chunks go in (at least 3 decode steps from its arrival to
-    its first token), and every request, the long one included, gets its solo greedy tokens. Counts forwards, not
+    are at most 64 (one chunk), the streams decode on while the long prompt's chunks go in (at least 3 decode steps
+    from its arrival to its first token), and every request, the long one included, gets its solo greedy tokens. Counts forwards, not
     seconds: robust on a loaded machine. Catches a long prompt prefilled whole between two decode steps (the
     streams wait for all of it), and chunks whose keys or positions are wrong (the long reply differs).
     """

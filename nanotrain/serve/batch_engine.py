@@ -219,7 +219,7 @@ class BatchEngine:
             try:
                 with torch.inference_mode():
                     self._step(cache, last, touched)
-            except Exception as e:  # noqa: BLE001 - the shared decode forward failed: every request in it gets the error
+            except Exception as e:  # noqa: BLE001 - the shared decode forward failed: each request in it gets it
                 for r, req in enumerate(self.rows):
                     if req is not None:
                         req.fail(e)
@@ -303,7 +303,7 @@ class BatchEngine:
             if self.decode is not None:
                 try:
                     logits = self.decode(last, cache, n)
-                except Exception as e:  # noqa: BLE001 - a compile that fails on this machine: the eager step from here on
+                except Exception as e:  # noqa: BLE001 - a compile that fails here: the eager step from now on
                     print(f"warning: the compiled decode step failed ({type(e).__name__}: {e}); decoding eagerly",
                           file=sys.stderr, flush=True)
                     self.decode = None

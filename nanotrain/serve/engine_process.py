@@ -35,16 +35,17 @@ class RemoteRequest(Request):
 
 class EngineProcess:
     """
-    A BatchEngine in a Python process of its own (`python -m nanotrain.serve.engine_process`, fed over two pipes), so that
-    the model's forward never waits on the server's Python for the GIL (a thread holding the GIL a third of the time
-    slows the forward by a third or more: dev/LOG.md). The same interface as BatchEngine for a server: submit,
-    active, queued, load, score, context_len, notify (called by this process's reader thread, once per decode step
-    of the engine, with the requests that got something). load: a picklable callable returning (model, tokenizer,
-    checkpoint path, meta) in the engine's process, e.g. functools.partial(nanotrain.checkpoint.load_model, ...);
-    threads: torch's threads there (0 keeps torch's default); prefill_chunk, compile: BatchEngine's (compile on CUDA
-    only). max_batch 0: default_max_batch of the loaded model; max_queue 0: 2 x max_batch; after the constructor,
-    max_batch, max_queue, context_len are the engine's and `sizing` a line saying where they came from. The constructor returns once the model is loaded;
-    raises UserError with the engine process's one line when it cannot load (e.g. no checkpoint), or when it exits.
+    A BatchEngine in a Python process of its own (`python -m nanotrain.serve.engine_process`, fed over two pipes), so
+    that the model's forward never waits on the server's Python for the GIL (a thread holding the GIL a third of the
+    time slows the forward by a third or more: dev/LOG.md). The same interface as BatchEngine for a server: submit,
+    active, queued, load, score, context_len, max_queue, notify (called by this process's reader thread, once per
+    decode step of the engine, with the requests that got something). load: a picklable callable returning (model,
+    tokenizer, checkpoint path, meta) in the engine's process, e.g. functools.partial(nanotrain.checkpoint.load_model,
+    ...); threads: torch's threads there (0 keeps torch's default); prefill_chunk, compile: BatchEngine's (compile on
+    CUDA only); max_batch 0: default_max_batch of the loaded model; max_queue 0: 2 x max_batch. The constructor
+    returns once the model is loaded (max_batch, max_queue, context_len are then the engine's, and `sizing` a line
+    saying where they came from); raises UserError with the engine process's one line when it cannot load (e.g. no
+    checkpoint), or when it exits.
     submit raises QueueFull when max_batch + max_queue requests are outstanding. If the engine's process dies,
     every open request gets a RuntimeError and later submits are refused with UserError.
     """
@@ -106,7 +107,8 @@ class EngineProcess:
         return req
 
     def score(self, ids, k):
-        """nanotrain.serve.batch_engine.score_tokens(the model, ids, k), computed in the engine's process between two decode steps."""
+        """nanotrain.serve.batch_engine.score_tokens(the model, ids, k), computed in the engine's process between two
+        decode steps."""
         future = concurrent.futures.Future()
         with self.send_lock:
             rid, self.next_id = self.next_id, self.next_id + 1
