@@ -152,11 +152,11 @@ def make_app(engines, tokenizer, model_id, key):
             if event is not None:
                 event.set()
 
-    async def replies(req, stop):
-        """Yields (text delta, None) as the request's tokens come, coalescing what came since the last wake-up into
-        one delta, then ("", (finish_reason, completion_tokens)); raises what the engine raised for it. Cancels the
-        request when left early (a client gone)."""
-        reply = Reply(tokenizer, stop)
+    async def replies(req):
+        """Yields (text delta, None) as the request's tokens come (its stop strings applied: Reply), coalescing what
+        came since the last wake-up into one delta, then ("", (finish_reason, completion_tokens)); raises what the
+        engine raised for it. Cancels the request when left early (a client gone) or at a stop string."""
+        reply = Reply(tokenizer, req.gen.stop)
         try:
             while True:
                 await req.event.wait()
@@ -262,7 +262,7 @@ def make_app(engines, tokenizer, model_id, key):
             gen, stream, usage = chat_request(body, tokenizer, context_len, max_messages, max_tokens)
         except APIError as e:
             return error(e)
-        gen.tool, ids, stop = tool, gen.prompt, gen.stop
+        gen.tool = tool
         try:
             req = least_loaded().submit(gen)
         except QueueFull:
@@ -279,28 +279,28 @@ def make_app(engines, tokenizer, model_id, key):
             async def events():
                 yield chunk({"role": "assistant", "content": ""})
                 try:
-                    async for delta, end in replies(req, stop):
+                    async for delta, end in replies(req):
                         if end is None:
                             yield chunk({"content": delta})
                     yield chunk({}, end[0])
                     if usage:
                         yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                      "model": model_id, "choices": [],
-                                                     "usage": counts(len(ids), end[1])}) + "\n\n"
+                                                     "usage": counts(len(gen.prompt), end[1])}) + "\n\n"
                 except Exception as e:  # noqa: BLE001 - reaches the client as an error event, the server goes on
                     yield "data: " + json.dumps(APIError(500, str(e), None, "server_error").body()) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         parts = []
         try:
-            async for delta, end in replies(req, stop):
+            async for delta, end in replies(req):
                 parts.append(delta)
         except Exception as e:  # noqa: BLE001
             return error(APIError(500, str(e), None, "server_error"))
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
                              "finish_reason": end[0]}],
-                "usage": counts(len(ids), end[1])}
+                "usage": counts(len(gen.prompt), end[1])}
 
     return app
 
