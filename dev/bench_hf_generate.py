@@ -93,7 +93,6 @@ def main():
     else:
         model, tokenizer, where, _ = load_model(source, run_name, step, device.type)
     engine = Engine(model, tokenizer)
-    engine.stop_ids = set()  # fixed length: no row stops before max_tokens
     out_dir = tempfile.mkdtemp(prefix="bench_hf_")
     try:
         export_hf(model, tokenizer, f"{out_dir}/hf")
@@ -118,7 +117,7 @@ def main():
     for rep in range(reps + 1):  # round 0 warms up and is not counted
         for b in sizes:
             batch = [prompts[i % len(prompts)] for i in range(b)]
-            t_engine, want = timed(device, lambda: engine.generate(batch, max_tokens))
+            t_engine, want = timed(device, lambda: engine.generate(batch, max_tokens, ignore_eos=True))
             t_hf, got = timed(device, lambda: hf_generate(batch))
             same[b] = sum(g == w for g, w in zip(got, want))
             if rep > 0:

@@ -116,31 +116,80 @@ class KVCache:
         self.lengths = None
         self.prev_embedding = None
 
-    def rows(self, lo, hi):
+    def rows(self, lo, hi, pos=0):
         """
-        A uniform, empty KVCache over rows lo..hi-1 of this one, sharing its memory: a forward with it (e.g. the
-        prefill of prompts of one length) writes those rows here. Record what it holds with set_rows(lo, sub).
+        A uniform KVCache over rows lo..hi-1 of this one, sharing its memory, holding `pos` tokens (0: empty; else
+        those rows' first pos tokens, and their smear embeddings): a forward with it (e.g. the prefill of prompts of
+        one length, or the next chunk of a long prompt) writes those rows here. Record what it holds with
+        set_rows(lo, sub).
         """
         sub = KVCache.__new__(KVCache)
         sub.k_cache, sub.v_cache = self.k_cache[:, lo:hi], self.v_cache[:, lo:hi]
-        sub.n_layer, sub.max_len, sub.pos, sub.lengths, sub.prev_embedding = self.n_layer, self.max_len, 0, None, None
+        sub.n_layer, sub.max_len, sub.pos, sub.lengths = self.n_layer, self.max_len, pos, None
+        sub.prev_embedding = None if pos == 0 or self.prev_embedding is None else self.prev_embedding[lo:hi]
         return sub
 
-    def set_rows(self, lo, sub):
+    def set_rows(self, lo, sub, lengths=None):
         """
         Switches to the per-row mode (all rows at length 0 first) and records `sub` (a uniform cache from
-        rows(lo, hi), filled): rows lo..hi-1 hold sub.pos tokens each and sub's prev_embedding.
+        rows(lo, hi), filled): rows lo..hi-1 hold sub.pos tokens each, or lengths[i] tokens for row lo + i (a list:
+        right-padded prompts, whose pad is past the row's length, masked out and later overwritten), and sub's
+        prev_embedding.
         """
         B = self.k_cache.size(1)
         if self.lengths is None:
             self.lengths = torch.zeros(B, dtype=torch.long, device=self.k_cache.device)
         hi = lo + sub.k_cache.size(1)
-        self.lengths[lo:hi] = sub.pos
+        self.lengths[lo:hi] = sub.pos if lengths is None else torch.tensor(lengths, device=self.lengths.device)
         self.pos = max(self.pos, sub.pos)
         if sub.prev_embedding is not None:
             if self.prev_embedding is None:
                 self.prev_embedding = sub.prev_embedding.new_zeros(B, *sub.prev_embedding.shape[1:])
             self.prev_embedding[lo:hi] = sub.prev_embedding
+
+    def move_row(self, src, dst):
+        """Per-row mode: row src's tokens (keys and values up to its length), length and smear embedding copied to
+        row dst; row src is then free (length 0). Nothing to do for src == dst."""
+        if src == dst:
+            return
+        n = int(self.lengths[src])
+        self.k_cache[:, dst, :, :n] = self.k_cache[:, src, :, :n]
+        self.v_cache[:, dst, :, :n] = self.v_cache[:, src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+        if self.prev_embedding is not None:
+            self.prev_embedding[dst] = self.prev_embedding[src]
+
+    def free_row(self, r):
+        """Forgets row r's tokens (per-row mode: length 0; uniform: nothing kept per row); its slots are reused by the
+        next row put there."""
+        if self.lengths is not None:
+            self.lengths[r] = 0
+
+    def head(self, n):
+        """
+        Per-row mode: a KVCache over rows 0..n-1 sharing keys and values, for one decode step of those rows: per-row
+        too, sharing the lengths (a forward advances them here), its pos the longest of those rows; for n = 1, a
+        uniform cache at row 0's length (no mask: Engine's one-prompt path). Call merge(view) after the forward.
+        """
+        view = KVCache.__new__(KVCache)
+        view.k_cache, view.v_cache = self.k_cache[:, :n], self.v_cache[:, :n]
+        view.n_layer, view.max_len = self.n_layer, self.max_len
+        view.lengths = self.lengths[:n] if n > 1 else None
+        view.pos = int(self.lengths[:n].max())
+        view.prev_embedding = None if self.prev_embedding is None else self.prev_embedding[:n]
+        return view
+
+    def merge(self, view):
+        """Records a head(n) view's forward here: row 0's length (n = 1), the rows' smear embeddings, pos."""
+        n = view.k_cache.size(1)
+        if view.lengths is None:
+            self.lengths[0] = view.pos
+        if view.prev_embedding is not None:
+            if self.prev_embedding is None:
+                self.prev_embedding = view.prev_embedding.new_zeros(self.k_cache.size(1),
+                                                                    *view.prev_embedding.shape[1:])
+            self.prev_embedding[:n] = view.prev_embedding
+        self.pos = int(self.lengths.max())
 
     def segments(self, T):
         """

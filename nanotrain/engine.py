@@ -30,6 +30,7 @@ from nanotrain.calculator import calculate
 from nanotrain.errors import UserError
 
 MAX_BATCH = 64  # at most this many prompts share one KV cache
+MIN_TEMPERATURE = 1e-6  # a smaller temperature (0 included) is greedy: logits / 1e-300 overflow fp32 to inf and NaN
 
 
 # how the tool's special tokens are shown to a person: <|python_start|>37 + 48<|python_end|><|output_start|>85
@@ -43,6 +44,22 @@ def readable(text):
     for token, shown in SHOWN.items():
         text = text.replace(token, shown)
     return text
+
+
+def sample_next(logits, temperature, top_k=None, rng=None):
+    """
+    The next token of each row of `logits` (..., vocab_size), float: int64 (..., 1). A temperature below
+    MIN_TEMPERATURE (0 included) is greedy (argmax; rng unused), else a draw from softmax(logits / temperature)
+    restricted to the top_k largest logits (top_k None or 0, or >= vocab_size: every token) with the torch.Generator
+    `rng` (None: torch's global one). The one sampler of Engine, the server's batch engine and scripts/sample.py.
+    """
+    if temperature < MIN_TEMPERATURE:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
 
 
 class TextStream:
@@ -140,14 +157,7 @@ class Engine:
                 logits = self._prefill(prompts, cache)
             else:
                 logits = model(ids, kv_cache=cache, last_only=True)[:, -1, :]  # (B, vocab_size) fp32
-            if temperature == 0:
-                ids = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k and top_k < logits.size(-1):  # None or 0: all tokens
-                    kth = torch.topk(logits, top_k).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
+            ids = sample_next(logits, temperature, top_k, rng)  # (B, 1) int64
             column = ids[:, 0].tolist()
             if choose is not None:
                 column = choose(column)
@@ -196,15 +206,16 @@ class Engine:
             return out
         return choose
 
-    def sample(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH, tool=False):
+    def sample(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH, tool=False,
+               ignore_eos=False):
         """
         Completes each prompt (list[int] token ids; a batch list[list[int]]) with up to max_tokens new tokens, the
         calculator tool on or off (see the module docstring). Returns a list, in prompt order, of (ids, mask): ids
         list[int] the new tokens, ending with the stop token (<|assistant_end|> or <|bos|>) if the row stopped within
         max_tokens; mask list[int] of the same length, 1 for a token the model sampled (the stop token included), 0
-        for one the tool forced. temperature 0 is greedy (argmax), else sampling from softmax(logits / temperature)
-        restricted to the top_k logits (top_k None or 0: all), with one torch.Generator seeded with `seed` for the
-        call. Prompts of any lengths run together, up to max_batch per KV cache (see the module docstring): with
+        for one the tool forced. With ignore_eos a row does not stop at those tokens: max_tokens tokens each.
+        Sampling: sample_next (temperature 0 greedy, else softmax(logits / temperature) restricted to the top_k
+        logits, top_k None or 0: all), with one torch.Generator seeded with `seed` for the call. Prompts of any lengths run together, up to max_batch per KV cache (see the module docstring): with
         greedy decoding each row's tokens are those of the prompt alone; with sampling, a row's tokens depend on the
         other prompts of the call (they share the generator; give each its own call for independent samples).
         Raises UserError for an empty prompt, a negative temperature or max_tokens, or a prompt + max_tokens beyond
@@ -224,34 +235,38 @@ class Engine:
                 for r, tok in enumerate(column):
                     if not done[r]:
                         results[r].append(tok)
-                        done[r] = tok in self.stop_ids
+                        done[r] = tok in self.stop_ids and not ignore_eos
                 if all(done):
                     break
             for r, i in enumerate(rows):
                 out[i] = (results[r], masks[r][:len(results[r])] if tool else [1] * len(results[r]))
         return out
 
-    def generate(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH, tool=False):
+    def generate(self, prompts, max_tokens, temperature=0.0, top_k=None, seed=42, max_batch=MAX_BATCH, tool=False,
+                 ignore_eos=False):
         """
         Completes each prompt like sample() and returns list[list[int]]: the generated ids per prompt, in prompt
-        order, without the prompt and without the stop token (<|assistant_end|> or <|bos|>) that ended the row.
-        Same sampling, batching, tool and errors as sample().
+        order, without the prompt and without the stop token (<|assistant_end|> or <|bos|>) that ended the row
+        (with ignore_eos: every row's max_tokens tokens, stop tokens included). Same sampling, batching, tool and
+        errors as sample().
         """
         out = []
-        for ids, _ in self.sample(prompts, max_tokens, temperature, top_k, seed, max_batch, tool):
-            out.append(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
+        for ids, _ in self.sample(prompts, max_tokens, temperature, top_k, seed, max_batch, tool, ignore_eos):
+            out.append(ids[:-1] if ids and ids[-1] in self.stop_ids and not ignore_eos else ids)
         return out
 
-    def generate_stream(self, prompt, max_tokens, temperature=0.0, top_k=None, seed=42, tool=False):
+    def generate_stream(self, prompt, max_tokens, temperature=0.0, top_k=None, seed=42, tool=False,
+                        ignore_eos=False):
         """
         Yields the new token ids (int) of one prompt (list[int]) as they are generated (the tool's forced tokens
-        included), up to max_tokens, stopping before <|assistant_end|> or <|bos|> (not yielded). Same sampling, tool
-        and errors as generate(); for the same arguments it yields exactly generate([prompt], ...)[0].
+        included), up to max_tokens, stopping before <|assistant_end|> or <|bos|> (not yielded; with ignore_eos they
+        are yielded and it goes on: max_tokens tokens). Same sampling, tool and errors as generate(); for the same
+        arguments it yields exactly generate([prompt], ...)[0]. Leaves the model's train/eval mode alone.
         """
         self._check([prompt], max_tokens, temperature)
         choose = self._chooser(1, tool, [[]])
         rng = self._rng(temperature, seed)
         for column in self._columns([prompt], max_tokens, temperature, top_k, rng, choose):
-            if column[0] in self.stop_ids:
+            if column[0] in self.stop_ids and not ignore_eos:
                 return
             yield column[0]

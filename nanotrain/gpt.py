@@ -31,12 +31,10 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nanotrain.attention import (
-    KVCache,
     apply_rotary_emb,
     attention,
     attention_windows,
@@ -359,41 +357,6 @@ class GPT(nn.Module):
             x = x[:, logits_from:]
         logits = self.lm_head(x).float()
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
-
-    @torch.inference_mode()
-    def generate(self, tokens, max_tokens, temperature=0.0, top_k=None, seed=42):
-        """
-        Yields max_tokens new token ids (int), one at a time, continuing the prompt `tokens` (list[int]) with a
-        KV cache (prefill the prompt, then one token per forward). temperature 0 is greedy (argmax); otherwise
-        sampling from softmax(logits / temperature), restricted to the top_k logits if given, with a torch.Generator
-        seeded with `seed` on the model's device. The model has no dropout; train/eval mode is left untouched.
-        Raises UserError for an empty prompt, a negative temperature, or prompt + max_tokens > 10 * max_seq_len.
-        """
-        if len(tokens) == 0:
-            raise UserError("generate: the prompt is empty (expected at least one token, e.g. <|bos|>)")
-        if temperature < 0:
-            raise UserError(f"generate: temperature must be >= 0, got {temperature}")
-        if len(tokens) + max_tokens > self.rotary_len:
-            raise UserError(f"generate: prompt ({len(tokens)}) + max_tokens ({max_tokens}) exceeds "
-                            f"{self.rotary_len} tokens (10 * max_seq_len)")
-        device = self.wte.weight.device
-        rng = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-        autocast = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if autocast else self.wte.weight.dtype
-        c = self.config
-        kv_cache = KVCache(1, c.n_kv_head, self.head_dim, c.n_layer, len(tokens) + max_tokens, device, dtype)
-        ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        for _ in range(max_tokens):
-            logits = self.forward(ids, kv_cache=kv_cache, last_only=True)[:, -1, :]  # (1, vocab_size) fp32
-            if temperature == 0:
-                ids = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                ids = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=rng)
-            yield ids.item()
 
 
 def build_model(model_config, device, checkpoint=None, vocab_size=None, init_device=None, tokenizer_sha256=None):

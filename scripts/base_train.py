@@ -38,6 +38,7 @@ from nanotrain.configurator import configure
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import resolve_data_files
 from nanotrain.downloads import rank0_first
+from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.evaluation.core_bundle import ensure_bundle
 from nanotrain.evaluation.core_eval import evaluate_core, write_results
@@ -385,7 +386,7 @@ def main():
                 for p in SAMPLE_PROMPTS:
                     ids = tokenizer.encode(p, prepend=tokenizer.get_bos_token_id())
                     with autocast_ctx:
-                        out = list(orig_model.generate(ids, max_tokens=16, temperature=0.0))
+                        out = Engine(orig_model, tokenizer).generate([ids], 16, ignore_eos=True)[0]
                     print0(f"sample: {p!r} -> {tokenizer.decode(out)!r}")
         if last_step:
             break

@@ -8,8 +8,10 @@ OpenAI's chat completions API and a chat page.
 
 Endpoints:
   POST /v1/chat/completions  OpenAI's request and response schema: messages (system, user, assistant), max_tokens or
-                             max_completion_tokens, temperature, top_k (an extension), seed, stop, stream,
-                             stream_options. Streaming answers Server-Sent Events in OpenAI's chunk format (the first
+                             max_completion_tokens (absent: up to the end of the context, at most --max_tokens when
+                             set), temperature (below 1e-6 greedy), top_k and ignore_eos (extensions, as vLLM's), seed,
+                             stop (the reply ends before the first stop string; text that may begin one is held
+                             back until it cannot), stream, stream_options. Streaming answers Server-Sent Events in OpenAI's chunk format (the first
                              chunk carries the role, the last finish_reason "stop" or "length", then with
                              stream_options.include_usage one with the usage, then `data: [DONE]`); a chunk carries
                              what was decoded since the one before (one token unless the client reads slower than
@@ -21,13 +23,16 @@ Endpoints:
                              log-probability of every token, so lm-evaluation-harness's `local-completions` model
                              scores log-likelihood tasks on the native checkpoint (a text prompt starts with <|bos|>).
   GET /v1/models, GET /health (503 once an engine's process has died), GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
-Requests are decoded together with continuous batching (nanotrain.batch_engine: a request joins the running batch at
-the next decode step, --max_batch rows at most, --max_queue more waiting, beyond that 429), in a process of its own
-(nanotrain.engine_process.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
+Requests are decoded together with continuous batching (nanotrain.serve.batch_engine: a request joins the running
+batch at the next decode step, --max_batch rows at most (by default what the KV cache's memory allows, at most 16 on a CPU and
+256 on a GPU: printed at start), --max_queue more waiting, beyond that 429; a long prompt is prefilled
+--prefill_chunk tokens per step between decode steps; on CUDA the decode step is a CUDA graph), in a process of its own
+(nanotrain.serve.engine_process.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
 one engine process per GPU, each request going to the least loaded (requests submitted and not finished); a client that goes away
 mid-stream frees its row within one decode step (a non-streamed request's too), and a slow reader holds only its own request. Errors are OpenAI error objects ({"error": {"message", "type",
-"param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context, temperature or top_k out of
-range, n other than 1, JSON nested too deep or a number over 4300 digits), 401 (--api_key set and no matching
+"param", "code"}}) with the status: 400 (a bad field, max_tokens beyond the context or a prompt that fills it: code
+"context_length_exceeded", on which the chat page drops the conversation's oldest turns; temperature or top_k out
+of range, n other than 1, JSON nested too deep or a number over 4300 digits), 401 (--api_key set and no matching
 `Authorization: Bearer`, compared in constant time), 403 (a Host header naming another site: DNS rebinding; see
 --allowed_hosts), 404, 405, 413 (a body over --max_body_bytes, chunked or not: reading stops at the limit), 415 (a
 /v1/ POST that is not Content-Type: application/json, so a page on another site cannot post a form to it), 422 (not
@@ -50,14 +55,15 @@ import uuid
 import torch
 
 import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
-from nanotrain.batch_engine import QueueFull
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
-from nanotrain.configurator import configure
-from nanotrain.engine import TextStream, readable
-from nanotrain.engine_process import EngineProcess
+from nanotrain.configurator import COUNT, configure, ints
 from nanotrain.errors import UserError
+from nanotrain.serve.batch_engine import QueueFull
+from nanotrain.serve.engine_process import EngineProcess
 from nanotrain.serve.http_guard import Guard, guarded_protocol, install_error_handlers, until_gone
+from nanotrain.serve.reply import Reply
+from nanotrain.serve.request import APIError, GenerationRequest, chat_request, sampling
 from nanotrain.tokenizer import get_tokenizer
 
 # ----------------------------------------------------------------------------- settings
@@ -67,10 +73,12 @@ step = -1  # checkpoint step; -1 is the newest
 host = "127.0.0.1"  # the address to bind; 0.0.0.0 exposes the server to the network
 port = 8000  # the TCP port; 0 picks a free one (printed)
 api_key = ""  # require `Authorization: Bearer <api_key>`; "" reads NANOTRAIN_API_KEY, and none of both means no key
-max_tokens = 256  # new tokens of a reply when the request does not say
+max_tokens = 0  # new tokens at most of a reply whose request does not say; 0: up to the end of the context
 context_len = 0  # tokens a request may hold (prompt + reply); 0 is the model's max_seq_len (at most 10x it)
-max_batch = 8  # requests decoded together at most (rows of the KV cache)
-max_queue = 16  # requests waiting for a free row at most; more are answered 429
+max_batch = 0  # requests decoded together at most (KV cache rows); 0: from the KV cache's memory, <= 16 on a CPU, 256 on a GPU
+max_queue = 0  # requests waiting for a free row at most, more are answered 429; 0: 2 x max_batch
+prefill_chunk = 256  # prompt tokens prefilled per decode step at most: a longer prompt goes in chunks between steps
+compile_decode = True  # on CUDA, the decode step through torch.compile(mode="reduce-overhead") (CUDA graphs)
 max_body_bytes = 1_000_000  # the largest request body; larger is answered 413
 max_messages = 64  # messages per request at most
 allowed_hosts = ""  # more Host names to answer, comma-separated (e.g. myserver.lan); "*" answers any Host (only behind a proxy that checks it). Always answered: localhost, 127.0.0.1, [::1], --host, and any IP address when --host is 0.0.0.0 or ::
@@ -80,96 +88,17 @@ num_gpus = 1  # engines, one per GPU (cuda:0..N-1), each request to the least lo
 tool = True  # run the calculator tool when the model calls it
 device_type = ""  # cuda | mps | cpu; "" autodetects
 cpu_threads = 0  # torch's threads when serving on a CPU; 0: every core but one (the HTTP loop's)
-config = configure(globals())
+config = configure(globals(), rules={"max_tokens": ints(0, note="0: up to the end of the context"),
+                                     "max_batch": ints(0, note="0: from the KV cache's memory"),
+                                     "max_queue": ints(0, note="0: 2 x max_batch"), "prefill_chunk": COUNT})
 # -----------------------------------------------------------------------------
 
 HTML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_serve.html")
 
 
-class APIError(Exception):
-    """An OpenAI error object with its HTTP status: status, message, type, param (the field, or None)."""
-
-    def __init__(self, status, message, param=None, type_="invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type = status, message, param, type_
-
-    def body(self):
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
-
-
-def parse_request(body, context_len, tokenizer):
-    """
-    The chat completion request `body` (a dict from JSON) checked field by field: returns (prompt ids, max_tokens,
-    temperature, top_k, seed, stop list, stream, include_usage: stream_options.include_usage, a last chunk with the
-    usage before [DONE]). Raises APIError(400) naming the first bad field.
-    """
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages: expected a non-empty list of {role, content}", "messages")
-    if len(messages) > max_messages:
-        raise APIError(400, f"messages: at most {max_messages} messages, got {len(messages)}", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise APIError(400, f"messages[{i}].role: expected system, user or assistant", f"messages[{i}].role")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI's content parts: only text here
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content: expected a string", f"messages[{i}].content")
-        turns.append({"role": m["role"], "content": content})
-    if turns[-1]["role"] != "user":
-        raise APIError(400, "messages: the last message must be the user's", "messages")
-    try:
-        ids = tokenizer.render_for_completion({"messages": turns})
-    except (ValueError, UserError) as e:
-        raise APIError(400, f"messages: {e}", "messages") from None
-    n = body.get("max_completion_tokens", body.get("max_tokens", max_tokens))
-    if n is None:
-        n = max_tokens
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise APIError(400, "max_tokens: expected an integer >= 1", "max_tokens")
-    if len(ids) + n > context_len:
-        raise APIError(400, f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({n}) exceeds the model's "
-                            f"context of {context_len} tokens", "max_tokens")
-    temperature, top_k, seed = parse_sampling(body)
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise APIError(400, "stop: expected a string or a list of at most 4 non-empty strings", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(400, "stream: expected true or false", "stream")
-    options = body.get("stream_options") or {}
-    usage = options.get("include_usage", False) if isinstance(options, dict) else None
-    if not isinstance(usage, bool):
-        raise APIError(400, "stream_options: expected {\"include_usage\": true or false}", "stream_options")
-    return ids, n, temperature, top_k, seed, stop, stream, usage
-
-
-def parse_sampling(body):
-    """(temperature, top_k or None, seed) of a request dict, checked. Raises APIError(400) naming the field."""
-    temperature = body.get("temperature", 1.0)
-    temperature = 1.0 if temperature is None else temperature
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature <= 2:
-        raise APIError(400, "temperature: expected a number in [0, 2]", "temperature")
-    top_k = body.get("top_k")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
-        raise APIError(400, "top_k: expected an integer >= 0 (0: every token)", "top_k")
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
-        raise APIError(400, "seed: expected an integer in [0, 2**63)", "seed")
-    return float(temperature), top_k or None, 42 if seed is None else seed
-
-
 def make_app(engines, tokenizer, model_id, key):
-    """The FastAPI app serving `engines` (nanotrain.engine_process.EngineProcess or batch_engine.BatchEngine objects
-    of one checkpoint, one per device; each request goes to the least loaded). key: the bearer token required, or
+    """The FastAPI app serving `engines` (nanotrain.serve.engine_process.EngineProcess or batch_engine.BatchEngine
+    objects of one checkpoint, one per device; each request goes to the least loaded). key: the bearer token required, or
     ""."""
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
@@ -226,28 +155,6 @@ def make_app(engines, tokenizer, model_id, key):
         with open(HTML, encoding="utf-8") as f:
             return f.read()
 
-    class Reply:
-        """
-        One request's reply as it comes: add(tokens) returns the new readable text (nanotrain.engine.TextStream:
-        never half a character, only the newest tokens decoded again; the calculator shown as chat_cli shows it)
-        and whether a stop string ended it (the text up to it).
-        """
-
-        def __init__(self, stop):
-            self.stop, self.stream, self.text, self.sent, self.count = stop, TextStream(tokenizer, readable), "", 0, 0
-
-        def add(self, tokens, final=False):
-            self.count += len(tokens)
-            self.text += self.stream.add(tokens, final)
-            if self.stop:  # a stop string may span pieces: look from where the longest could start
-                lo = max(0, self.sent - max(map(len, self.stop)))
-                cut = min((i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    out, self.sent = self.text[self.sent:cut], cut
-                    return out, True
-            out, self.sent = self.text[self.sent:], len(self.text)
-            return out, False
-
     def woken(reqs):  # the engine's thread, once per decode step: wake the handlers of the requests it touched
         loop.call_soon_threadsafe(wake, reqs)
 
@@ -257,11 +164,11 @@ def make_app(engines, tokenizer, model_id, key):
             if event is not None:
                 event.set()
 
-    async def replies(req, stop):
-        """Yields (text delta, None) as the request's tokens come, coalescing what came since the last wake-up into
-        one delta, then ("", (finish_reason, completion_tokens)); raises what the engine raised for it. Cancels the
-        request when left early (a client gone)."""
-        reply = Reply(stop)
+    async def replies(req):
+        """Yields (text delta, None) as the request's tokens come (its stop strings applied: Reply), coalescing what
+        came since the last wake-up into one delta, then ("", (finish_reason, completion_tokens)); raises what the
+        engine raised for it. Cancels the request when left early (a client gone) or at a stop string."""
+        reply = Reply(tokenizer, req.gen.stop)
         try:
             while True:
                 await req.event.wait()
@@ -282,19 +189,20 @@ def make_app(engines, tokenizer, model_id, key):
         finally:
             req.cancel()
 
-    def complete(ids, n, temperature, top_k, seed, echo, logprobs, submitted=None):
-        """One completion choice: the new tokens (through the batch engine), and with echo or logprobs the
-        log-probabilities of every token from one forward of prompt + completion. submitted: a list the request is
-        appended to (whoever holds it may cancel it)."""
+    def complete(request, echo, logprobs, submitted=None):
+        """One completion choice of `request` (a GenerationRequest; max_tokens 0: none): the new tokens (through the
+        batch engine), and with echo or logprobs the log-probabilities of every token from one forward of prompt +
+        completion. submitted: a list the engine's request is appended to (whoever holds it may cancel it)."""
         batch = least_loaded()
-        req = batch.submit(ids, n, temperature, top_k, seed) if n > 0 else []
+        ids, n = request.prompt, request.max_tokens
+        req = batch.submit(request) if n > 0 else []
         if submitted is not None and n > 0:
             submitted.append(req)
-        gen = list(req)
-        full = ids + gen
+        new = list(req)
+        full = ids + new
         first = 0 if echo else len(ids)
-        choice = {"text": tokenizer.decode(full[first:]), "finish_reason": "length" if len(gen) >= n else "stop",
-                  "logprobs": None, "completion_tokens": len(gen)}
+        choice = {"text": tokenizer.decode(full[first:]), "finish_reason": "length" if len(new) >= n else "stop",
+                  "logprobs": None, "completion_tokens": len(new)}
         if logprobs is not None:
             scores, tops = batch.score(full, logprobs) if len(full) > 1 else ([], [])
             tokens = [tokenizer.decode([t]) for t in full]
@@ -337,20 +245,20 @@ def make_app(engines, tokenizer, model_id, key):
             return error(APIError(400, f"prompt: at most {max_messages} prompts of at most {context_len} tokens with "
                                        f"max_tokens", "prompt"))
         try:
-            temperature, top_k, seed = parse_sampling(body)
+            temperature, top_k, seed = sampling(body)
         except APIError as e:
             return error(e)
         loop, submitted = asyncio.get_running_loop(), []
 
         async def run():
-            return [await loop.run_in_executor(None, complete, ids, n, temperature, top_k, seed, echo, logprobs,
-                                               submitted) for ids in prompts]
+            return [await loop.run_in_executor(None, complete, GenerationRequest(ids, n, temperature, top_k, seed), echo,
+                                               logprobs, submitted) for ids in prompts]
         finished = False
         try:
             finished, choices = await until_gone(request, run())
         except QueueFull:
-            return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
-                                  "rate_limit_error"))
+            return error(APIError(429, f"{engines[0].max_queue} requests are waiting already; try again later",
+                                  None, "rate_limit_error"))
         finally:
             for req in submitted if not finished else []:  # a client gone (or an error): its generations stop
                 req.cancel()
@@ -365,14 +273,15 @@ def make_app(engines, tokenizer, model_id, key):
     async def chat(request: Request):
         body = request.state.json  # read, size-checked and parsed by the Guard middleware
         try:
-            ids, n, temperature, top_k, seed, stop, stream, usage = parse_request(body, context_len, tokenizer)
+            gen, stream, usage = chat_request(body, tokenizer, context_len, max_messages, max_tokens)
         except APIError as e:
             return error(e)
+        gen.tool = tool
         try:
-            req = least_loaded().submit(ids, n, temperature, top_k, seed, tool=tool)
+            req = least_loaded().submit(gen)
         except QueueFull:
-            return error(APIError(429, f"{max_queue} requests are waiting already; try again later", None,
-                                  "rate_limit_error"))
+            return error(APIError(429, f"{engines[0].max_queue} requests are waiting already; try again later",
+                                  None, "rate_limit_error"))
         req.event = asyncio.Event()  # before any await: the engine's wake-ups run on this loop, after it
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -384,21 +293,21 @@ def make_app(engines, tokenizer, model_id, key):
             async def events():
                 yield chunk({"role": "assistant", "content": ""})
                 try:
-                    async for delta, end in replies(req, stop):
+                    async for delta, end in replies(req):
                         if end is None:
                             yield chunk({"content": delta})
                     yield chunk({}, end[0])
                     if usage:
                         yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                                      "model": model_id, "choices": [],
-                                                     "usage": counts(len(ids), end[1])}) + "\n\n"
+                                                     "usage": counts(len(gen.prompt), end[1])}) + "\n\n"
                 except Exception as e:  # noqa: BLE001 - reaches the client as an error event, the server goes on
                     yield "data: " + json.dumps(APIError(500, str(e), None, "server_error").body()) + "\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         async def collect():
             parts, end = [], None
-            async for delta, end in replies(req, stop):
+            async for delta, end in replies(req):
                 parts.append(delta)
             return parts, end
         try:
@@ -412,7 +321,7 @@ def make_app(engines, tokenizer, model_id, key):
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
                              "finish_reason": end[0]}],
-                "usage": counts(len(ids), end[1])}
+                "usage": counts(len(gen.prompt), end[1])}
 
     return app
 
@@ -432,11 +341,13 @@ def main():
     # each engine in a process of its own (the model's forward never waits for this process's GIL); on a CPU the
     # model gets every core but one, the HTTP loop the last
     threads = (cpu_threads or max(1, (os.cpu_count() or 2) - 1)) if device.type == "cpu" else 0
+    sizes = dict(context_len=context_len, threads=threads, prefill_chunk=prefill_chunk, compile=compile_decode)
     first = EngineProcess(functools.partial(load_model, stage, run_name, step, devices[0]), max_batch, max_queue,
-                          context_len, threads)
+                          **sizes)
     path, meta = first.path, first.meta  # the others load the same checkpoint, even if a newer one appeared
-    engines = [first] + [EngineProcess(functools.partial(load_model, stage, run_name, meta["step"], d), max_batch,
-                                       max_queue, context_len, threads) for d in devices[1:]]
+    print(first.sizing, flush=True)  # max_batch and max_queue, and where they came from
+    engines = [first] + [EngineProcess(functools.partial(load_model, stage, run_name, meta["step"], d),
+                                       first.max_batch, first.max_queue, **sizes) for d in devices[1:]]
     tokenizer = get_tokenizer()  # the engines checked that it is the checkpoint's
     model_id = f"nanotrain-{stage}-{os.path.basename(os.path.dirname(os.path.dirname(path)))}-{meta['step']}"
     key = api_key or os.environ.get("NANOTRAIN_API_KEY", "")

@@ -15,7 +15,7 @@ import torch
 from nanotrain.checkpoint import load_model
 from nanotrain.common import autodetect_device_type, run_script
 from nanotrain.configurator import configure
-from nanotrain.engine import TextStream
+from nanotrain.engine import Engine, TextStream
 
 stage = "base"  # which training stage's checkpoints: base | mid | sft
 run_name = ""  # run name; "" picks the run with the newest checkpoint
@@ -36,9 +36,8 @@ def main():
     print(f"checkpoint: {path}", file=sys.stderr)
     print(prompt, end="", flush=True)
     stream = TextStream(tokenizer)  # never half a character on the terminal
-    for tok in model.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k or None, seed=seed):
-        if tok == tokenizer.get_bos_token_id():
-            break
+    engine = Engine(model, tokenizer)  # its sampler (nanotrain.engine.sample_next); stops at <|bos|> or <|assistant_end|>
+    for tok in engine.generate_stream(ids, max_tokens, temperature, top_k or None, seed):
         print(stream.add([tok]), end="", flush=True)
     print(stream.add([], final=True))
 

@@ -137,7 +137,7 @@ def test_stops_at_assistant_end_and_bos(tok):
     assert engine.generate([seq_a, seq_b], max_tokens=20) == [ok, ok]
     assert list(engine.generate_stream(seq_b, max_tokens=20)) == ok
     # without stopping, the model would go on past the stop token
-    cont = list(model.generate(seq_a, max_tokens=len(ok) + 3))
+    cont = list(engine.generate_stream(seq_a, max_tokens=len(ok) + 3, ignore_eos=True))
     assert cont[:len(ok) + 1] == ok + [s["<|assistant_end|>"]] and cont[len(ok) + 1:] == more[:2]
 
 

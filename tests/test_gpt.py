@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nanotrain.attention import KVCache
+from nanotrain.engine import Engine
 from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig, config_from_depth
 from nanotrain.optim import setup_optimizers
@@ -224,12 +225,27 @@ def greedy_reference(model, tokens, n):
     return ids[len(tokens):]
 
 
+class NoStopTok:
+    """Engine's tokenizer needs: stop tokens outside the vocabulary (these generations run their length)."""
+
+    def encode_special(self, name):
+        return 10**6
+
+    def get_bos_token_id(self):
+        return 10**6 + 1
+
+
+def generate(model, prompt, max_tokens, **kw):
+    """One prompt through nanotrain.engine.Engine, no stop tokens: list[int] of max_tokens new tokens."""
+    return list(Engine(model, NoStopTok()).generate_stream(prompt, max_tokens, ignore_eos=True, **kw))
+
+
 def test_generate_greedy_matches_full_forward():
     """Greedy generation with the cache must equal argmax over full forwards, also past max_seq_len (32) thanks to
     the 10x rotary table; catches cache and position bugs on the generation path."""
     model = make_model(n_kv_head=1)
     prompt = random_idx(1, 20)[0].tolist()
-    out = list(model.generate(prompt, 20))
+    out = generate(model, prompt, 20)
     assert out == greedy_reference(model, prompt, 20)
     assert model.training  # generate leaves the mode alone
 
@@ -238,16 +254,16 @@ def test_generate_sampling_seeded():
     """Catches sampling that ignores the seed (or uses the global RNG), and a top-k filter that keeps too many."""
     model = make_model()
     prompt = [1, 2, 3]
-    a = list(model.generate(prompt, 12, temperature=1.0, seed=7))
+    a = generate(model, prompt, 12, temperature=1.0, seed=7)
     torch.manual_seed(999)  # the global RNG must not matter
-    b = list(model.generate(prompt, 12, temperature=1.0, seed=7))
-    c = list(model.generate(prompt, 12, temperature=1.0, seed=8))
+    b = generate(model, prompt, 12, temperature=1.0, seed=7)
+    c = generate(model, prompt, 12, temperature=1.0, seed=8)
     assert a == b and a != c
-    assert list(model.generate(prompt, 12, temperature=0.7, top_k=1)) == list(model.generate(prompt, 12))
+    assert generate(model, prompt, 12, temperature=0.7, top_k=1) == generate(model, prompt, 12)
     with pytest.raises(UserError):
-        list(model.generate([], 3))
+        generate(model, [], 3)
     with pytest.raises(UserError):
-        list(model.generate(prompt, 400))
+        generate(model, prompt, 400)
 
 
 def test_setup_optimizers(capsys):
@@ -306,7 +322,7 @@ def test_cuda_bf16_paths(monkeypatch):
         logits = model(idx)
         monkeypatch.setattr(attention_module, "flash_attn_func", None)
         logits_sdpa = model(idx)
-        out = list(model.generate(idx[0, :8].tolist(), 8))
+        out = generate(model, idx[0, :8].tolist(), 8)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, logits_sdpa, atol=0.1, rtol=0.05)
     assert len(out) == 8

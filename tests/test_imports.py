@@ -1,6 +1,7 @@
 """
 The package's imports go one way: no circle between nanotrain's modules, counting imports inside functions (which
-Python resolves lazily, so a circle through them runs without error and stays hidden until it is drawn).
+Python resolves lazily, so a circle through them runs without error and stays hidden until it is drawn); and the core
+(the top-level modules of nanotrain/) imports nothing from the periphery (PERIPHERY's folders).
 """
 
 import ast
@@ -8,6 +9,7 @@ import os
 
 import pytest
 
+PERIPHERY = ("report", "evaluation", "sandbox", "export", "serve")  # folders of nanotrain/ the core never imports
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanotrain")
 
 
@@ -76,6 +78,14 @@ def find_circle(graph):
     return None
 
 
+def core_reaching_out(graph):
+    """[(core module, periphery module it imports)] of an import_graph: a core module is a top-level module of the
+    package (nanotrain.x, not nanotrain.x.y), a periphery module one under a PERIPHERY folder."""
+    periphery = tuple(f"nanotrain.{p}" for p in PERIPHERY)
+    return sorted((m, d) for m, deps in graph.items() if m.count(".") == 1 for d in deps
+                  if d in periphery or d.startswith(tuple(p + "." for p in periphery)))
+
+
 @pytest.mark.unit
 def test_no_import_circle_in_the_package():
     """Walks every import of every nanotrain module, top level and inside functions. Catches: a low-level helper
@@ -104,3 +114,24 @@ def test_the_circle_finder_sees_a_circle_through_a_function(tmp_path):
     graph = import_graph(str(pkg))
     assert graph["nanotrain.sub.a"] == {"nanotrain.sub.b"} and graph["nanotrain.sub.b"] == {"nanotrain.sub.a"}
     assert find_circle(graph) is not None
+
+
+@pytest.mark.unit
+def test_the_core_imports_nothing_from_the_periphery(tmp_path):
+    """No top-level module of nanotrain/ imports (anywhere in its file) from report/, evaluation/, sandbox/, export/
+    or serve/. Catches: a training-core module reaching up into the periphery, e.g. run.py importing the report card
+    inside a function, or engine.py importing the server's batch engine: the check reports exactly such a module in a
+    small package built here (and not a periphery module importing the core, nor a core module importing another)."""
+    assert core_reaching_out(import_graph()) == []
+    pkg = tmp_path / "nanotrain"
+    (pkg / "report").mkdir(parents=True)
+    (pkg / "serve").mkdir()
+    for f in ("__init__.py", "report/__init__.py", "serve/__init__.py", "common.py"):
+        (pkg / f).write_text("")
+    (pkg / "report" / "card.py").write_text("from nanotrain.common import *\n")
+    (pkg / "serve" / "batch_engine.py").write_text("import nanotrain.engine\n")
+    (pkg / "engine.py").write_text("from nanotrain import common\n")
+    (pkg / "run.py").write_text("def finish():\n    from nanotrain.report.card import write\n    return write\n")
+    assert core_reaching_out(import_graph(str(pkg))) == [("nanotrain.run", "nanotrain.report.card")]
+    (pkg / "engine.py").write_text("from nanotrain.serve import batch_engine\n")
+    assert core_reaching_out(import_graph(str(pkg)))[0] == ("nanotrain.engine", "nanotrain.serve.batch_engine")

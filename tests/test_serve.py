@@ -38,22 +38,38 @@ def start_server(base, run_name, *args):
         pytest.fail(f"the server did not start: {''.join(seen)[-3000:]}")
     port = int(line.split("http://127.0.0.1:")[1].split()[0])
     threading.Thread(target=p.stdout.read, daemon=True).start()  # keep its pipe drained
+    p.seen = "".join(seen)  # what it printed before serving (its max_batch line among it)
     return p, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
 def server(shared_base_dir, tmp_path_factory):
-    """A 3-step base run and chat_serve.py serving it with two engines (--num_gpus=2: on a CPU both share the
-    cores); yields (base_url, base dir); stops it after."""
+    """A 3-step base run with the CPU recipe's context (max_seq_len 256) and chat_serve.py serving it with two
+    engines (--num_gpus=2: on a CPU both share the cores) and a context of 640; yields (base_url, base dir); stops it
+    after."""
     base = tmp_path_factory.mktemp("serve")
     os.symlink(shared_base_dir / "data", base / "data")
     os.symlink(shared_base_dir / "tokenizer", base / "tokenizer")
-    r = run_script("base_train.py", *TINY_TRAIN, "--num_iterations=3", "--run_name=tiny", base_dir=base)
+    r = run_script("base_train.py", *TINY_TRAIN, "--max_seq_len=256", "--device_batch_size=2", "--num_iterations=3",
+                   "--run_name=tiny", base_dir=base)
     assert r.returncode == 0, r.stderr[-3000:]
     p, url = start_server(base, "tiny", "--max_batch=4", "--max_queue=12", "--max_body_bytes=20000",
                           "--context_len=640", "--num_gpus=2")
     try:
         yield url, base
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server256(server):
+    """chat_serve.py on the same checkpoint with every default but the CPU (the model's context of 256 tokens,
+    --max_batch from the KV cache's memory: 16 on a CPU, one engine); yields (base_url, base dir, what it printed before serving)."""
+    _, base = server
+    p, url = start_server(base, "tiny", "--device_type=cpu")
+    try:
+        yield url, base, p.seen
     finally:
         p.terminate()
         p.wait(timeout=30)
@@ -184,6 +200,78 @@ def test_16_concurrent_streams_each_equal_their_solo_reply(server):
         assert results[i] == readable(engine_reply(base, [{"role": "user", "content": prompts[i]}], 3 + i)[0]), i
 
 
+def test_the_defaults_decode_16_streams_together_each_equal_its_solo_reply(server256):
+    """
+    The server with every default (a CPU: --max_batch from the KV cache's memory, at most 16, printed at start with
+    max_queue) and 16 streaming requests at once: the start-up line says max_batch 16, /health sees more than 8
+    decoding at once, and each request streams exactly its solo greedy reply (Engine on the same checkpoint).
+    Catches the old default of 8 rows (half of them wait), a default not printed, and rows mixed at that width.
+    """
+    url, base, seen = server256
+    assert "max_batch 16" in seen and "max_queue 32" in seen, seen
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    prompts = [f"Name {i} things." for i in range(16)]
+    results, busiest = [None] * 16, [0]
+
+    def one(i):
+        chunks = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompts[i]}],
+                                                max_tokens=40, temperature=0, stream=True)
+        results[i] = "".join(c.choices[0].delta.content or "" for c in chunks)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        busiest[0] = max(busiest[0], health(url)["decoding"])
+        time.sleep(0.01)
+    assert busiest[0] > 8, busiest
+    for i in range(16):
+        assert results[i] == readable(engine_reply(base, [{"role": "user", "content": prompts[i]}], 40)[0]), i
+
+
+def test_no_max_tokens_replies_to_the_end_of_the_context(server256):
+    """
+    On the CPU recipe's context (256 tokens), a request without max_tokens (the chat page's, the openai SDK's
+    default) is answered: finish_reason "length" with prompt + reply exactly 256 tokens, or "stop" before that, the
+    text the solo greedy reply of that length; with max_tokens 1000 it is a 400 naming max_tokens, code
+    context_length_exceeded. Catches a default of 256 new tokens (every request without max_tokens a 400 on a
+    256-token model) and a default that overruns the context.
+    """
+    url, base, _ = server256
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    status, obj = post(url, {"messages": messages, "temperature": 0})
+    assert status == 200, obj
+    usage, choice = obj["usage"], obj["choices"][0]
+    assert (choice["finish_reason"] == "length" and usage["total_tokens"] == 256) or \
+        (choice["finish_reason"] == "stop" and usage["total_tokens"] < 256), obj
+    want, n = engine_reply(base, messages, 256 - usage["prompt_tokens"])
+    assert choice["message"]["content"] == readable(want) and usage["completion_tokens"] == n
+    status, obj = post(url, {"messages": messages, "max_tokens": 1000})
+    assert status == 400 and obj["error"]["param"] == "max_tokens" and obj["error"]["code"] == "context_length_exceeded"
+
+
+
+def test_a_tiny_temperature_beside_other_streams_is_greedy(server):
+    """
+    temperature 1e-300 (it passes the range check) sent while other requests decode: it answers 200 with the greedy
+    reply, and so do the others. Catches a sampler that divides by it (inf / NaN, an exception inside the shared
+    decode step: every request of the batch answered 500).
+    """
+    url, base = server
+    messages = [{"role": "user", "content": "What is 3 + 4?"}]
+    want = readable(engine_reply(base, messages, 10)[0])
+    out = [None] * 4
+
+    def one(i):
+        out[i] = post(url, {"messages": messages, "max_tokens": 10, "temperature": 1e-300 if i % 2 else 0})
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [status for status, _ in out] == [200] * 4, out
+    assert all(obj["choices"][0]["message"]["content"] == want for _, obj in out)
+
+
 def test_a_client_gone_mid_stream_frees_its_row(server):
     """
     A streaming request of 600 tokens whose client closes the connection after two chunks: its row is free within
@@ -227,7 +315,7 @@ def test_requests_go_to_the_least_loaded_engine(server):
 
 def test_an_engine_process_that_cannot_load_or_dies_is_one_line(server, tmp_path, monkeypatch):
     """
-    nanotrain.engine_process.EngineProcess: a checkpoint that does not exist is the engine process's one line
+    nanotrain.serve.engine_process.EngineProcess: a checkpoint that does not exist is the engine process's one line
     (UserError), not a hang or a traceback; an engine process killed mid-request fails that request with a
     RuntimeError naming the exit and refuses later submits (UserError). Catches a server that waits forever on an
     engine that never became ready, and requests left waiting on a dead engine.
@@ -235,22 +323,23 @@ def test_an_engine_process_that_cannot_load_or_dies_is_one_line(server, tmp_path
     import functools
 
     from nanotrain.checkpoint import load_model
-    from nanotrain.engine_process import EngineProcess
     from nanotrain.errors import UserError
+    from nanotrain.serve.engine_process import EngineProcess
+    from nanotrain.serve.request import GenerationRequest
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(tmp_path))
     with pytest.raises(UserError, match="no base checkpoint found"):
         EngineProcess(functools.partial(load_model, "base", "", -1, "cpu"))
     _, base = server
     monkeypatch.setenv("NANOTRAIN_BASE_DIR", str(base))
     engine = EngineProcess(functools.partial(load_model, "base", "tiny", -1, "cpu"), context_len=640)
-    req = engine.submit([1, 2, 3], 600)
+    req = engine.submit(GenerationRequest([1, 2, 3], 600))
     it = iter(req)
     next(it)
     engine.process.kill()
     with pytest.raises(RuntimeError, match="engine process exited"):
         list(it)
     with pytest.raises(UserError, match="engine process exited"):
-        engine.submit([1, 2, 3], 4)
+        engine.submit(GenerationRequest([1, 2, 3], 4))
 
 
 def emoji_checkpoint(base):
@@ -380,18 +469,26 @@ def test_completions_logprobs_are_the_models(server):
 
 
 def test_serve_bench_runs_against_the_server(server):
-    """scripts/serve_bench.py against the running server at 1 and 2 concurrent streams: one JSON object with ttft,
-    per-stream and aggregate tokens/s per concurrency. Catches a benchmark that cannot talk to the server it measures
-    (a wrong route, auth not sent)."""
+    """scripts/serve_bench.py against the running server at 1 and 2 concurrent streams with ignore_eos, and Engine's
+    static batch on the same checkpoint: one JSON object with ttft, per-stream and aggregate tokens/s per concurrency,
+    every stream 6 tokens long (the server's usage: ignore_eos decodes past the stop tokens). Catches a benchmark
+    that cannot talk to the server it measures (a wrong route, auth not sent) and a server that ignores
+    ignore_eos (a reply stopping early would give fewer tokens)."""
     url, base = server
     r = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "serve_bench.py"), f"--url={url}/v1",
-                        "--api_key=k", "--concurrency=1,2", "--max_tokens=4", "--rounds=1"], capture_output=True,
+                        "--api_key=k", "--concurrency=1,2", "--max_tokens=6", "--rounds=1", "--source=base",
+                        "--run_name=tiny", "--threads=1"], capture_output=True,
                        text=True, timeout=120, env=dict(os.environ, NANOTRAIN_BASE_DIR=str(base)), cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout[r.stdout.index("{"):])
-    assert set(out["by_concurrency"]) == {"1", "2"}
+    assert set(out["by_concurrency"]) == {"1", "2"} and out["threads"] == 1 and out["ignore_eos"]
     for row in out["by_concurrency"].values():
         assert 0 < row["ttft_p50"]["median"] <= row["ttft_p90"]["max"] and row["aggregate_tok_s"]["min"] > 0
+        assert row["engine_static_tok_s"]["min"] > 0
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
 
 
 def test_the_chat_page_is_served(server):
@@ -405,19 +502,22 @@ def test_the_chat_page_is_served(server):
 
 
 @pytest.mark.slow  # a real browser: Debian's chromium (installed by .ci/run) driven by Playwright
-def test_the_chat_page_in_chromium(server):
+def test_the_chat_page_in_chromium(server256):
     """
-    The page in headless Chromium: a message typed and sent gets a reply that grows over at least two updates (the
-    stream reaches the page piece by piece), and a second turn sends the first one along (the request's messages
-    hold both user turns and the first reply). Catches a page that waits for the whole reply, and one that forgets
-    the conversation.
+    The page in headless Chromium on the CPU recipe's context (256 tokens; the page sends no max_tokens, so a reply
+    may run to the end of the context): a message typed and sent gets a reply that grows over at least two updates
+    (the stream reaches the page piece by piece); the second turn sends the first one along (its request's messages
+    hold the first user turn and reply); as the conversation outgrows the context, the page drops the oldest turns
+    (a 400 with code context_length_exceeded, sent again without them), says so in a note, and every turn gets a
+    reply, never an error. Catches a page that waits for the whole reply, one that forgets the conversation, and a
+    page whose every message fails on a 256-token model.
     """
     import shutil
     sync_api = pytest.importorskip("playwright.sync_api")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("no chromium on this machine (.ci/run installs Debian's)")
-    url, _ = server
+    url, _, _ = server256
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page()
@@ -430,16 +530,21 @@ def test_the_chat_page_in_chromium(server):
             new MutationObserver(() => { const a = log.querySelectorAll('.assistant');
               if (a.length) window.sizes.push(a[a.length - 1].textContent.length); })
             .observe(log, {subtree: true, childList: true, characterData: true}); }""")
-        page.fill("#input", "Hello there")
-        page.click("#send")
-        page.wait_for_function("() => !document.getElementById('send').disabled", timeout=60000)
-        first = page.inner_text(".assistant")
-        page.fill("#input", "And again")
-        page.click("#send")
-        page.wait_for_function("() => document.querySelectorAll('.assistant').length == 2 && "
-                               "!document.getElementById('send').disabled", timeout=60000)
-        sizes = page.evaluate("window.sizes")
+        turns = ["Hello there", "And again, tell me more about it please"]
+        for turn in range(6):  # until the conversation has outgrown the context (a note), at most 6 turns
+            page.fill("#input", turns[turn] if turn < 2 else f"Turn {turn}: and then what happened next?")
+            page.click("#send")
+            page.wait_for_function(f"() => document.querySelectorAll('.assistant').length == {turn + 1} && "
+                                   "!document.getElementById('send').disabled", timeout=120000)
+            if turn == 0:
+                sizes = page.evaluate("window.sizes")
+            if turn >= 1 and page.query_selector(".note") is not None:
+                break
+        replies = page.eval_on_selector_all(".assistant", "els => els.map(e => e.textContent)")
+        errors = page.query_selector_all(".error")
+        note = page.inner_text(".note") if page.query_selector(".note") else ""
         browser.close()
-    assert first and len(set(sizes)) >= 2, sizes
-    second = json.loads(sent[-1])["messages"]
+    assert replies[0] and len(set(sizes)) >= 2, sizes
+    second = json.loads(sent[1])["messages"]
     assert [m["role"] for m in second] == ["user", "assistant", "user"] and second[0]["content"] == "Hello there"
+    assert "no longer fit the model's context" in note and not errors and all(replies), (note, replies)

@@ -221,7 +221,7 @@ def test_kv_cache_generation_equals_the_full_forward():
     prompts = [[(5 * i + 3 * j) % 60 for j in range(n)] for i, n in enumerate([3, 9, 9, 14])]
     want = [greedy_no_cache(p, 14) for p in prompts]
     assert Engine(model, Tok()).generate(prompts, max_tokens=14) == want
-    assert list(model.generate(prompts[3], 14)) == want[3]
+    assert list(Engine(model, Tok()).generate_stream(prompts[3], 14)) == want[3]
     assert Engine(no_window, Tok()).generate(prompts, max_tokens=14) != want
 
 

@@ -1,1 +1,2 @@
-"""The HTTP server's parts (scripts/chat_serve.py): its engines, and the guards in front of its routes."""
+"""The HTTP server's parts (scripts/chat_serve.py): continuous batching, its process, the request record, and the
+guards in front of its routes."""

@@ -1,8 +1,8 @@
 """
-A nanotrain.batch_engine.BatchEngine in a Python process of its own, for the server (scripts/chat_serve.py): the
+A nanotrain.serve.batch_engine.BatchEngine in a Python process of its own, for the server (scripts/chat_serve.py): the
 server's process keeps the HTTP loop and the tokenizer, the engine's process the model, so the model's forward never
 waits on the server's Python for the GIL. EngineProcess (the server's side) starts `python -m
-nanotrain.engine_process` and talks to it over two pipes: submit / cancel / score commands in, one message per
+nanotrain.serve.engine_process` and talks to it over two pipes: submit / cancel / score commands in, one message per
 decode step out (each request's new tokens, its finish reason or error, the engine's busy and waiting counts).
 """
 
@@ -16,15 +16,15 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from nanotrain.batch_engine import BatchEngine, QueueFull, Request, check_request
 from nanotrain.errors import UserError
+from nanotrain.serve.batch_engine import BatchEngine, QueueFull, Request, default_max_batch
 
 
 class RemoteRequest(Request):
     """A Request of an EngineProcess: its tokens arrive from the engine's process; cancel() tells that process."""
 
-    def __init__(self, engine, rid, *args):
-        super().__init__(*args, tag=rid)
+    def __init__(self, engine, rid, gen):
+        super().__init__(gen, tag=rid)
         self.engine = engine
 
     def cancel(self):
@@ -35,29 +35,33 @@ class RemoteRequest(Request):
 
 class EngineProcess:
     """
-    A BatchEngine in a Python process of its own (`python -m nanotrain.engine_process`, fed over two pipes), so that
-    the model's forward never waits on the server's Python for the GIL (a thread holding the GIL a third of the time
-    slows the forward by a third or more: dev/LOG.md). The same interface as BatchEngine for a server: submit,
-    active, queued, load, score, context_len, notify (called by this process's reader thread, once per decode step
-    of the engine, with the requests that got something). load: a picklable callable returning (model, tokenizer,
-    checkpoint path, meta) in the engine's process, e.g. functools.partial(nanotrain.checkpoint.load_model, ...);
-    threads: torch's threads there (0 keeps torch's default). The constructor returns once the model is loaded;
-    raises UserError with the engine process's one line when it cannot load (e.g. no checkpoint), or when it exits.
+    A BatchEngine in a Python process of its own (`python -m nanotrain.serve.engine_process`, fed over two pipes), so
+    that the model's forward never waits on the server's Python for the GIL (a thread holding the GIL a third of the
+    time slows the forward by a third or more: dev/LOG.md). The same interface as BatchEngine for a server: submit,
+    active, queued, load, score, context_len, max_queue, notify (called by this process's reader thread, once per
+    decode step of the engine, with the requests that got something). load: a picklable callable returning (model,
+    tokenizer, checkpoint path, meta) in the engine's process, e.g. functools.partial(nanotrain.checkpoint.load_model,
+    ...); threads: torch's threads there (0 keeps torch's default); prefill_chunk, compile: BatchEngine's (compile on
+    CUDA only); max_batch 0: default_max_batch of the loaded model; max_queue 0: 2 x max_batch. The constructor
+    returns once the model is loaded (max_batch, max_queue, context_len are then the engine's, and `sizing` a line
+    saying where they came from); raises UserError with the engine process's one line when it cannot load (e.g. no
+    checkpoint), or when it exits.
     submit raises QueueFull when max_batch + max_queue requests are outstanding. If the engine's process dies,
     every open request gets a RuntimeError and later submits are refused with UserError.
     """
 
-    def __init__(self, load, max_batch=8, max_queue=16, context_len=0, threads=0):
+    def __init__(self, load, max_batch=0, max_queue=0, context_len=0, threads=0, prefill_chunk=256, compile=False):
         commands_r, commands_w = os.pipe()
         events_r, events_w = os.pipe()
-        self.process = subprocess.Popen([sys.executable, "-m", "nanotrain.engine_process", str(commands_r),
+        self.process = subprocess.Popen([sys.executable, "-m", "nanotrain.serve.engine_process", str(commands_r),
                                          str(events_w)], pass_fds=(commands_r, events_w))
         os.close(commands_r)
         os.close(events_w)
         self.commands, self.events = Connection(commands_w, readable=False), Connection(events_r, writable=False)
         self.send_lock, self.next_id, self.requests, self.scores = threading.Lock(), 0, {}, {}
         self.max_batch, self.max_queue, self.notify, self.counts, self.dead = max_batch, max_queue, None, (0, 0), None
-        self.send((load, max_batch, max_queue, context_len, threads))
+        self.send((load, dict(max_batch=max_batch, max_queue=max_queue, context_len=context_len, threads=threads,
+                              prefill_chunk=prefill_chunk, compile=compile)))
         try:
             kind, *info = self.events.recv()
         except EOFError:
@@ -66,7 +70,7 @@ class EngineProcess:
         if kind == "error":
             self.process.wait()
             raise UserError(info[0])
-        self.path, self.meta, self.context_len = info
+        self.path, self.meta, self.context_len, self.max_batch, self.max_queue, self.sizing = info
         threading.Thread(target=self._read, daemon=True, name="nanotrain-engine-events").start()
 
     def send(self, message):
@@ -88,21 +92,23 @@ class EngineProcess:
         """Requests submitted and not finished (int), known at once: what the least-loaded choice compares."""
         return len(self.requests)
 
-    def submit(self, prompt, max_tokens, temperature=0.0, top_k=None, seed=42, tool=False):
-        """As BatchEngine.submit (the same checks and errors); returns a RemoteRequest."""
-        check_request(prompt, max_tokens, temperature, self.context_len)
+    def submit(self, gen):
+        """As BatchEngine.submit (the same checks and errors) of `gen` (a GenerationRequest); returns a
+        RemoteRequest."""
+        gen.check(self.context_len)
         if self.dead is not None:
             raise UserError(self.dead)
         with self.send_lock:
             if len(self.requests) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are waiting")
             rid, self.next_id = self.next_id, self.next_id + 1
-            req = self.requests[rid] = RemoteRequest(self, rid, prompt, max_tokens, temperature, top_k, seed, tool)
-        self.send(("submit", rid, list(prompt), max_tokens, temperature, top_k, seed, tool))
+            req = self.requests[rid] = RemoteRequest(self, rid, gen)
+        self.send(("submit", rid, gen))
         return req
 
     def score(self, ids, k):
-        """nanotrain.batch_engine.score_tokens(the model, ids, k), computed in the engine's process between two decode steps."""
+        """nanotrain.serve.batch_engine.score_tokens(the model, ids, k), computed in the engine's process between two
+        decode steps."""
         future = concurrent.futures.Future()
         with self.send_lock:
             rid, self.next_id = self.next_id, self.next_id + 1
@@ -152,7 +158,7 @@ class EngineProcess:
 
 
 def engine_main(commands, events):
-    """The engine process (EngineProcess): reads (load, max_batch, max_queue, context_len, threads), loads the
+    """The engine process (EngineProcess): reads (load, the BatchEngine's settings and threads), loads the
     model, runs a BatchEngine, answers "ready" or "error"; then takes submit / cancel / score commands until the
     server's end of the pipe closes, and sends one "step" message per decode step. Ctrl-C is the server's to
     handle: ignored here."""
@@ -162,17 +168,26 @@ def engine_main(commands, events):
     def send(message):
         with send_lock:
             events.send(message)
-    load, max_batch, max_queue, context_len, threads = commands.recv()
+    load, settings = commands.recv()
+    context_len = settings["context_len"]
     try:
-        if threads:
-            torch.set_num_threads(threads)
+        if settings["threads"]:
+            torch.set_num_threads(settings["threads"])
         model, tokenizer, path, meta = load()
         if context_len > model.rotary_len:
             raise UserError(f"--context_len={context_len}: at most {model.rotary_len} (10 x max_seq_len, the rotary "
                             f"table)")
+        context_len = context_len or model.config.max_seq_len
+        max_batch, sizing = settings["max_batch"], f"max_batch {settings['max_batch']} (--max_batch)"
+        if not max_batch:
+            max_batch, sizing = default_max_batch(model, context_len)
+        max_queue = settings["max_queue"] or 2 * max_batch
+        sizing += f"; max_queue {max_queue}" + ("" if settings["max_queue"] else " (2 x max_batch)")
+        compile = settings["compile"] and model.wte.weight.device.type == "cuda"
         # the server (EngineProcess.submit) bounds the requests outstanding to max_batch + max_queue; the engine's own
         # queue holds them all, as a burst may arrive before its next step gives any a row
-        engine = BatchEngine(model, tokenizer, max_batch, max_batch + max_queue, context_len or None)
+        engine = BatchEngine(model, tokenizer, max_batch, max_batch + max_queue, context_len,
+                             prefill_chunk=settings["prefill_chunk"], compile=compile)
     except UserError as e:
         send(("error", str(e)))
         return
@@ -191,7 +206,7 @@ def engine_main(commands, events):
                 requests.pop(req.tag, None)
         send(("step", items, engine.active(), engine.queued()))
     engine.notify = notify
-    send(("ready", path, meta, engine.context_len))
+    send(("ready", path, meta, engine.context_len, max_batch, max_queue, sizing))
 
     def scored(rid, ids, k):
         try:
@@ -204,9 +219,9 @@ def engine_main(commands, events):
         except (EOFError, OSError):
             return  # the server is gone
         if message[0] == "submit":
-            _, rid, prompt, max_tokens, temperature, top_k, seed, tool = message
+            _, rid, gen = message
             try:
-                requests[rid] = engine.submit(prompt, max_tokens, temperature, top_k, seed, tool, tag=rid)
+                requests[rid] = engine.submit(gen, tag=rid)
             except (UserError, QueueFull) as e:
                 send(("step", [(rid, [], None, str(e))], engine.active(), engine.queued()))
         elif message[0] == "cancel":
