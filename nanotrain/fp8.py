@@ -122,7 +122,9 @@ def plain_tensor(t):
     """t as a plain torch.Tensor: the fp32 tensor inside torchao's float8 all-gather weight wrapper
     (WeightWithDynamicFloat8CastTensor, a Parameter's data under FSDP2 with --fp8), else t itself."""
     inner = getattr(t, "_tensor", None)
-    return inner if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and inner is not None else t
+    if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and isinstance(inner, torch.Tensor):
+        return inner.detach()
+    return t
 
 
 def describe(names, recipe, emulate):
