@@ -75,16 +75,32 @@ def test_fp8_linear_matches_fp32_within_the_quantisation_bound(recipe):
     precision (error ~1e-7), e5m2 in the forward (RMS error ~0.075 > 0.051), the output gradient cast in e4m3
     under tensorwise, a scale that is not amax-based (subnormal or saturated values break the worst case).
     """
-    model = fp8_gpt(recipe)
-    lin = model.blocks[0].mlp.c_fc
+    check_linear(recipe, torch.device("cpu"), emulate=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 (capability >= 8.9)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_linear_on_the_gpu_within_the_quantisation_bound(recipe):
+    """The same bounds with torch._scaled_mm on the GPU (no emulation; fp32 operands, fp32 accumulation)."""
+    check_linear(recipe, torch.device("cuda"), emulate=False)
+
+
+def check_linear(recipe, device, emulate):
+    """The checks of test_fp8_linear_matches_fp32_within_the_quantisation_bound on `device`."""
+    torch.manual_seed(0)
+    model = GPT(config_from_depth(2, 64, 16))
+    convert_to_fp8(model, recipe, emulate=emulate)
+    lin = model.blocks[0].mlp.c_fc.to(device)
     torch.manual_seed(1)
     with torch.no_grad():
         lin.weight.normal_()
-    ref = nn.Linear(128, 512, bias=False)
+    ref = nn.Linear(128, 512, bias=False, device=device)
     with torch.no_grad():
         ref.weight.copy_(lin.weight)
-    x = torch.randn(256, 128)
-    g = torch.randn(256, 512)
+    x = torch.randn(256, 128, device=device)
+    g = torch.randn(256, 512, device=device)
     x8, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     lin(x8).backward(g)
     y8 = lin(x8.detach())
