@@ -6,8 +6,8 @@ nanotrain.kernels), the small gates and the scalars. The master weights, their g
 fp32 parameters of the same names (a Float8Linear is an nn.Linear subclass with the same "weight"), so checkpoints,
 export and inference load them into a plain GPT; only the matmuls change:
 - each of the three matmuls of a Linear (output, grad_input, grad_weight) casts both operands to float8 with dynamic
-  scaling (scale = fp8 max / amax of the tensor right now, no history) and runs torch._scaled_mm (fp32 accumulation,
-  output in the input's dtype): input and weight in e4m3 (3 mantissa bits), the output gradient in e5m2 (2 bits,
+  scaling (scale = fp8 max / amax of the tensor right now, no history) and runs torch._scaled_mm (output in the
+  input's dtype; fp32 accumulation, the forward's with cuBLAS's fast accumulation as torchao sets it): input and weight in e4m3 (3 mantissa bits), the output gradient in e5m2 (2 bits,
   more range) with recipe "tensorwise" (one scale per tensor: torchao's default, and the float8 all-gather of FSDP2
   when sharded: enable_fsdp_float8_all_gather), or everything in e4m3 with one power-of-two scale per row ("rowwise",
   torchao's ROWWISE recipe: more accurate, slower; FSDP2 then all-gathers in bf16).
