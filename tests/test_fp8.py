@@ -212,13 +212,13 @@ def test_fake_tensor_probe_runs_the_fp8_step():
     """
     from nanotrain.auto_batch_size.builders import gpt_builder
     from nanotrain.auto_batch_size.probe import measure_fake_peak
-    cfg = config_from_depth(2, 64, 128)
+    cfg = config_from_depth(1, 64, 64)
     peaks = {}
     for fp8 in (None, "tensorwise"):
         build = gpt_builder(cfg, fp8_recipe=fp8, fp8_emulate=True)
         assert ("fp8" in build.key_fields) == (fp8 is not None)
-        peaks[fp8] = [measure_fake_peak(build, b, max_seq_len=128, vocab_size=64, device="cpu",
-                                        amp_dtype=torch.bfloat16) for b in (2, 4)]
+        peaks[fp8] = [measure_fake_peak(build, b, max_seq_len=64, vocab_size=64, device="cpu",
+                                        amp_dtype=torch.bfloat16) for b in (1, 2)]
     assert peaks["tensorwise"][1] > peaks["tensorwise"][0]
     assert peaks["tensorwise"] != peaks[None]
 
