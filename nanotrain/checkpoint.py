@@ -35,12 +35,14 @@ import sys
 import warnings
 
 import torch
+from torch.utils._pytree import tree_map
 
 import nanotrain
 from nanotrain.checkpoint_format import CHECKPOINT_FORMAT, MARKER, OSFT_FILE, load_checkpoint, parse_name
 from nanotrain.common import all_reduce_scalar, atomic_write_json, barrier, get_base_dir, git_commit, print0
 from nanotrain.durable import best_copy, commit, fsync_path, is_complete, recover, remove_dir
 from nanotrain.errors import UserError
+from nanotrain.fp8 import plain_tensor
 from nanotrain.fsdp import full_state_dicts, is_fsdp, load_optimizer_states
 from nanotrain.gpt import GPTConfig, build_model
 from nanotrain.tensor_file import CheckpointError
@@ -180,7 +182,8 @@ def save_checkpoint(run_dir, step, model, optimizers, meta, rank_state, rank=0, 
         model_state, optim_states = model.state_dict(), [opt.state_dict() for opt in optimizers]
     try:
         _save_tensors(rank_state, os.path.join(tmp, f"rank_{rank:05d}.pt"))
-        if rank == 0:
+        if rank == 0:  # plain tensors: --fp8 under FSDP2 wraps the fp32 weights (nanotrain.fp8.plain_tensor)
+            model_state, optim_states = tree_map(plain_tensor, (model_state, optim_states))
             _save_tensors(model_state, os.path.join(tmp, "model.pt"))
             _save_tensors(optim_states, os.path.join(tmp, "optim.pt"))
             if osft_state is not None:

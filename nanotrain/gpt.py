@@ -129,7 +129,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * config.model_dim, config.model_dim, bias=False)
 
     def forward(self, x):
-        return relu_squared_proj(self.c_fc(x), self.c_proj.weight)
+        return relu_squared_proj(self.c_fc(x), self.c_proj)
 
 
 class Block(nn.Module):

@@ -83,12 +83,18 @@ class _ReluSquaredProj(torch.autograd.Function):
         return (g @ w).mul_(r).mul_(2), grad_weight
 
 
-def relu_squared_proj(h, weight):
+def relu_squared_proj(h, proj):
     """
     F.relu(h).square() @ weight.T for h (..., 4 * model_dim) and weight (model_dim, 4 * model_dim) cast to h's dtype:
     the MLP's second half (c_proj of relu(h)^2). Same values as the two ops in eager; see _ReluSquaredProj for memory.
+    proj: the weight, or the nn.Linear holding it; a Linear with its own matmul (nanotrain.fp8's float8 Linear, told
+    by its forward) is called on relu(h)^2 instead, so that its matmul runs (autograd then keeps the square).
     """
-    return _ReluSquaredProj.apply(h, weight)
+    if isinstance(proj, torch.nn.Module):
+        if type(proj).forward is not torch.nn.Linear.forward:
+            return proj(F.relu(h).square())
+        proj = proj.weight
+    return _ReluSquaredProj.apply(h, proj)
 
 
 def chunk_size_for(num_tokens, model_dim, vocab_size):

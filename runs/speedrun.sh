@@ -7,14 +7,18 @@
 # field's mixtures (SmolTalk, MMLU auxiliary train, GSM8K, ARC), the chat benchmarks and ChatCORE, RL on GSM8K, the
 # report card. Needs the hub (the shards and the training mixtures are downloaded on first use).
 #   bash runs/speedrun.sh
-# What the record uses that nanotrain does not have: FP8 matmuls (torchao's float8 training, --fp8) and Flash
-# Attention 3 kernels; nanotrain trains in bf16 (flash-attn 2 or SDPA), so the same shape takes longer per step here.
+#   FP8=1 bash runs/speedrun.sh     # the blocks' matmuls in float8 (--fp8=True; H100/H200/B200: capability >= 8.9)
+# What the record uses that nanotrain does not have: Flash Attention 3 kernels (nanotrain: flash-attn 2 or SDPA). FP8
+# matmuls nanotrain has (--fp8=True, torchao's float8 training, nanotrain/fp8.py), off by default until the GPU check
+# has measured them on a card: python scripts/bench.py --depth=24 --max_seq_len=2048 --device_batch_size=16 \
+#   --total_batch_size=524288 --compile=True --vs="--fp8=True" (tokens/s of b / a in "vs.median_ratio").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOTRAIN_BASE_DIR="${NANOTRAIN_BASE_DIR:-$HOME/.cache/nanotrain}"
 export NANOTRAIN_FINEWEB_SHARDS="${NANOTRAIN_FINEWEB_SHARDS:-240}"  # ~24 GB of text: more than the 5.8 B tokens
 export OMP_NUM_THREADS=1
 NPROC="${NPROC:-8}"
+FP8="${FP8:-0}"  # 1: base_train with --fp8=True
 
 # 1. tokenizer on 2 B characters of fineweb-edu (downloads the shards)
 python scripts/tok_train.py --data=fineweb-edu --vocab_size=32768 --max_chars=2000000000
@@ -24,6 +28,14 @@ python scripts/tok_train.py --data=fineweb-edu --vocab_size=32768 --max_chars=20
 # window on three of every four layers); nanotrain has it (--window_pattern=SSSL: flash-attn 2's window or
 # flex_attention on CUDA), but it stays off here until the GPU check has measured its tokens/s on a card.
 echo "speedrun: attention windows L (full causal on every layer); --window_pattern=SSSL is not yet measured on a GPU"
+# FP8 (the blocks' Linears in float8, tensorwise scaling; lm_head and embeddings bf16): off unless FP8=1
+fp8_flag=""
+if [ "$FP8" = "1" ]; then
+    fp8_flag="--fp8=True"
+    echo "speedrun: FP8 on (--fp8=True, tensorwise): the blocks' matmuls in float8, lm_head and embeddings in bf16"
+else
+    echo "speedrun: FP8 off (bf16 matmuls): not yet measured on a GPU; FP8=1 bash runs/speedrun.sh turns --fp8=True on"
+fi
 # Architecture and Muon as nanochat HEAD (karpathy/nanochat 92d63d4, nanochat/gpt.py and scripts/base_train.py) has
 # them on, until an A/B on a GPU says otherwise: smear, backout, x0 / resid lambdas, rotary base 100,000 and queries
 # and keys scaled by 1.2 each (--qk_scale=1.44), NorMuon (beta2 0.9), Muon's momentum 0.85 -> 0.97 over 400 steps and
@@ -32,7 +44,7 @@ echo "speedrun: attention windows L (full causal on every layer); --window_patte
 torchrun --standalone --nproc_per_node=$NPROC scripts/base_train.py --data=fineweb-edu --depth=24 --run_name=d24 \
     --target_param_data_ratio=8 --auto_batch_size=True \
     --smear=True --backout=True --x0_lambdas=True --rotary_base=100000 --qk_scale=1.44 \
-    --muon_beta2=0.9 --momentum=0.97 --momentum_warmup=400 --final_momentum=0.90
+    --muon_beta2=0.9 --momentum=0.97 --momentum_warmup=400 --final_momentum=0.90 $fp8_flag
 
 # 3. CORE of the final model (the DCLM 22-task metric as nanochat computes it; downloads the ~162 MB eval bundle once;
 #    GPT-2 1.5B scores 0.2565, see the README's "Base model evaluation (CORE)")

@@ -39,6 +39,7 @@ from nanotrain.auto_batch_size.search import candidate_batch_sizes, search_batch
 from nanotrain.common import rng_state, run_script, set_rng_state
 from nanotrain.configurator import configure
 from nanotrain.errors import UserError
+from nanotrain.fp8 import check_fp8
 from nanotrain.gpt import GPT, POLICIES, config_from_depth, policy_name
 
 depth = None  # one depth (int); None: the depths below
@@ -53,6 +54,8 @@ activation_checkpointing = "none"  # none|selective|full|auto; auto: every polic
 compile = True  # plan the compiled step (base_train's CUDA default): the eager estimate x COMPILED_OVER_EAGER
 window_pattern = "L"  # attention windows tiled over the layers, the last always L: L full, S short (e.g. SSSL)
 short_window = None  # an S layer's query at i attends keys i-short_window..i; None: max_seq_len/4 up to 128s
+fp8 = False  # plan base_train's --fp8=True step: the blocks' Linears in float8 (nanotrain/fp8.py)
+fp8_recipe = "tensorwise"  # --fp8's scaling: tensorwise | rowwise
 config = configure(globals(), none_types={"depth": (int,), "short_window": (int,)})
 
 
@@ -75,7 +78,13 @@ def main():
           f"{total_batch_size}, world_size={world_size}, bf16 autocast, "
           f"{'compiled' if compile else 'uncompiled'} step (2 micro-steps + optimizer step + 1 micro-step), "
           f"activation checkpointing {policy}"
-          f"{f', attention windows {window_pattern}' if window_pattern != 'L' else ''}.")
+          f"{f', attention windows {window_pattern}' if window_pattern != 'L' else ''}"
+          f"{f', fp8 {fp8_recipe}' if fp8 else ''}.")
+    if fp8:  # fake CPU tensors have no _scaled_mm: the casts emulated (their fp32 dequantised copies count too)
+        check_fp8(fp8_recipe, emulate=fake_device == "cpu", device=torch.device(fake_device))
+        if fake_device == "cpu":
+            print("--fp8=True on fake CPU tensors: the float8 casts emulated, whose dequantised fp32 operands are "
+                  "transient copies _scaled_mm does not make: an upper bound of the fp8 step's peak.")
     if fake_device == "cpu":
         print("Measured with fake CPU tensors in bf16: this torch is CPU-only and cannot record fake CUDA tensors for "
               "autograd. Live tensor bytes only: the CUDA caching allocator, the CUDA context (~0.5 GiB), NCCL buffers "
@@ -98,7 +107,8 @@ def main():
             num_params = GPT(model_config).num_params()
         found = {}
         for p in policies:
-            build_probe = gpt_builder(model_config, activation_checkpointing=p)
+            build_probe = gpt_builder(model_config, activation_checkpointing=p, fp8_recipe=fp8_recipe if fp8 else None,
+                                      fp8_emulate=fake_device == "cpu")
             peaks = {}
 
             def fits(batch_size):

@@ -43,6 +43,7 @@ from nanotrain.errors import UserError
 from nanotrain.evaluation.core_bundle import ensure_bundle
 from nanotrain.evaluation.core_eval import evaluate_core, write_results
 from nanotrain.evaluation.gold_bpb import ensure_rows, evaluate_gold_bpb
+from nanotrain.fp8 import check_fp8, convert_to_fp8, describe
 from nanotrain.fsdp import gathered_root, shard_model
 from nanotrain.gpt import GPT, build_model, config_from_depth, policy_name
 from nanotrain.loss_eval import evaluate_bpb
@@ -118,6 +119,9 @@ dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
 activation_checkpointing = None  # none|selective|full|auto (nanotrain/gpt.py); None: auto on CUDA if discovered, else none
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
+fp8 = False  # the blocks' Linears in float8 with dynamic scaling (torchao; CUDA capability >= 8.9); nanotrain/fp8.py
+fp8_recipe = "tensorwise"  # --fp8's scaling: tensorwise (one scale per tensor) | rowwise (per row, slower, more exact)
+fp8_emulate = False  # --fp8=True on any device with the float8 casts emulated in fp32 (for tests: no speed-up)
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
                                           "muon_weight_decay": (float,), "final_momentum": (float,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,),
@@ -125,7 +129,8 @@ config = configure(globals(), none_types={"num_iterations": (int,), "device_batc
                                           "activation_checkpointing": (str,)})
 # -----------------------------------------------------------------------------
 
-# settings a resume must share with its checkpoint (device_batch_size may change: the same tokens)
+# settings a resume must share with its checkpoint (device_batch_size may change: the same tokens; so may fp8: the
+# checkpoint holds the same fp32 weights with and without it)
 RESUME_KEYS = ("depth", "max_seq_len", "total_batch_size", "data", "row_packing", "value_embeds", "smear", "backout",
                "x0_lambdas", "rotary_base", "qk_scale", "window_pattern", "short_window")
 SAMPLE_PROMPTS = ["The capital of France is", "A list in Python is", "The opposite of hot is", "def add(a, b):"]
@@ -143,6 +148,8 @@ def main():
         activation_checkpointing, device, config["device_batch_size"] is None and auto_batch_size)
     ac_policy = policy_name(config["activation_checkpointing"], allow_auto=True)  # auto: chosen with the batch size
     use_fsdp = fsdp and world_size > 1
+    if fp8:  # one line before anything is built: no FP8 tensor cores, no torchao, an unknown recipe
+        check_fp8(fp8_recipe, fp8_emulate, device)
     if fsdp and not use_fsdp:
         print0("--fsdp=True with one process: nothing to shard, training without FSDP")
     if use_fsdp and (core_every > 0 or gold_bpb_every > 0):
@@ -211,7 +218,8 @@ def main():
         build = lambda policy: gpt_builder(  # noqa: E731
             model_config, activation_checkpointing=policy, matrix_lr=matrix_lr, embedding_lr=embedding_lr,
             unembedding_lr=unembedding_lr, scalar_lr=scalar_lr, weight_decay=weight_decay, ns_dtype=ns_dtype,
-            muon_weight_decay=muon_wd, polar_express=polar_express, muon_beta2=muon_beta2)
+            muon_weight_decay=muon_wd, polar_express=polar_express, muon_beta2=muon_beta2,
+            fp8_recipe=fp8_recipe if fp8 else None, fp8_emulate=fp8_emulate)  # the probes run the fp8 step
         record_path = os.path.join(run_dir, "auto_batch_size.json")
         discovered = device_batch_size is None
         ac_policy, device_batch_size, ab_record = discover_with_policy(
@@ -243,6 +251,9 @@ def main():
     seed_everything(seed)
     model = build_model(model_config, device, ckpt, vocab_size, tokenizer_sha256=tokenizer_sha256,
                         init_device=torch.device("cpu") if use_fsdp else None)  # FSDP: whole on the host only
+    if fp8:  # the block Linears, before FSDP / compile / DDP and the optimizers (the same fp32 Parameters)
+        print0(describe(convert_to_fp8(model, fp8_recipe, fp8_emulate, fsdp_float8_all_gather=use_fsdp and device.type
+                                       == "cuda" and fp8_recipe == "tensorwise"), fp8_recipe, fp8_emulate))
     model.activation_checkpointing = ac_policy  # before FSDP / DDP / compile wrap it
     if use_fsdp:  # in place, block by block onto the device (the CPU init equals DDP's on CPU, not CUDA's RNG);
         # with --compile each block is compiled before it is sharded (compile, then wrap)

@@ -7,6 +7,8 @@ the token loader's and the tokenizer's throughput on the same data. Prints ONE J
     python scripts/bench.py --depth=8 --max_seq_len=512 --device_batch_size=4 --total_batch_size=8192
     python scripts/bench.py --depth=4 --vs="--compile=True"          # A B B A A B ... interleaved; ratio per pair
     python scripts/bench.py --depth=4 --vs="--value_embeds=False"    # a model or optimizer option off and on
+    python scripts/bench.py --depth=12 --max_seq_len=2048 --device_batch_size=16 --total_batch_size=524288 \
+        --compile=True --vs="--fp8=True"                              # FP8 block Linears against bf16 (a GPU)
     python scripts/bench.py --depth=4 --profile=True                 # where the step's time goes (torch.profiler)
 
 The model and optimizers are built as in scripts/base_train.py (meta device, to_empty, init_weights,
@@ -55,6 +57,7 @@ from nanotrain.configurator import ConfigError, apply_overrides, configure, vali
 from nanotrain.dataloader import TokenLoader
 from nanotrain.dataset import iter_documents, resolve_data_files
 from nanotrain.errors import UserError
+from nanotrain.fp8 import check_fp8, convert_to_fp8, describe
 from nanotrain.gpt import GPT, build_model, config_from_depth, policy_name
 from nanotrain.optim import compile_optimizer_step, ns_dtype_for, setup_optimizers
 from nanotrain.tokenizer import get_tokenizer
@@ -78,6 +81,9 @@ total_batch_size = -1  # >= 1: tokens per optimizer step (grad_accum_steps = tot
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = False  # torch.compile the model (the compile time shows in the first warm-up step)
 activation_checkpointing = "none"  # none|selective|full, as base_train (nanotrain/gpt.py)
+fp8 = False  # the blocks' Linears in float8, as base_train's --fp8 (CUDA capability >= 8.9), e.g. --vs="--fp8=True"
+fp8_recipe = "tensorwise"  # --fp8's scaling: tensorwise | rowwise (nanotrain/fp8.py)
+fp8_emulate = False  # --fp8=True with the float8 casts emulated in fp32 (any device; no speed-up)
 compile_optimizer = None  # torch.compile the optimizer step (Muon's orthogonalisation, AdamW); None: as --compile
 device_type = ""  # cuda | mps | cpu; "" autodetects
 data = "builtin"  # training text, as in base_train
@@ -206,6 +212,10 @@ class Setup:
         seed_everything(cfg["seed"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON
             model = build_model(self.model_config, device)
+            if cfg["fp8"]:  # as base_train: before the optimizers and compile
+                check_fp8(cfg["fp8_recipe"], cfg["fp8_emulate"], device)
+                print(describe(convert_to_fp8(model, cfg["fp8_recipe"], cfg["fp8_emulate"]), cfg["fp8_recipe"],
+                               cfg["fp8_emulate"]))
             muon_wd = cfg["muon_weight_decay"]
             if muon_wd is None:
                 muon_wd = muon_weight_decay_for(self.model_config.model_dim)
@@ -270,7 +280,9 @@ class Setup:
             return torch.cuda.max_memory_allocated(self.device), "torch.cuda.max_memory_allocated"
         if not self.cfg["memory_estimate"]:
             return None, "not measured (--memory_estimate=False)"
-        build = gpt_builder(self.model_config, activation_checkpointing=self.cfg["activation_checkpointing"])
+        build = gpt_builder(self.model_config, activation_checkpointing=self.cfg["activation_checkpointing"],
+                            fp8_recipe=self.cfg["fp8_recipe"] if self.cfg["fp8"] else None,
+                            fp8_emulate=self.cfg["fp8_emulate"])
         state = torch.get_rng_state()
         peak = measure_fake_peak(build, self.cfg["device_batch_size"], max_seq_len=self.cfg["max_seq_len"],
                                  vocab_size=self.model_config.vocab_size, device=self.device,
@@ -343,7 +355,7 @@ def summarize(s, times, warmup_times, peak, peak_source, peak_samples, rss_delta
     return {
         "config": dict({k: s.cfg[k] for k in ("depth", "max_seq_len", "device_batch_size", "total_batch_size",
                                               "dtype", "compile", "activation_checkpointing", "threads", "adamw",
-                                              "ns_dtype", "data")},
+                                              "ns_dtype", "data", "fp8", "fp8_recipe", "fp8_emulate")},
                        prefetch=s.loader.prefetch, compile_optimizer=s.compile_optimizer),
         "dtype": str(s.compute_dtype).removeprefix("torch."), "grad_accum_steps": s.grad_accum_steps,
         "ns_dtype": s.cfg["ns_dtype"] or str(ns_dtype_for(s.device)).replace("torch.", ""),

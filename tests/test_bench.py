@@ -150,7 +150,7 @@ def test_bench_times_the_model_and_optimizers_base_train_trains():
     options = {"value_embeds", "smear", "backout", "x0_lambdas", "rotary_base", "qk_scale", "window_pattern",
                "short_window", "weight_decay",
                "embedding_beta2", "unembedding_beta2", "muon_weight_decay", "polar_express", "muon_beta2", "ns_dtype",
-               "dtype", "row_packing", "activation_checkpointing"}
+               "dtype", "row_packing", "activation_checkpointing", "fp8", "fp8_recipe", "fp8_emulate"}
     assert options <= set(bench) & set(base)
     own = {"depth", "max_seq_len", "device_batch_size", "total_batch_size", "compile", "activation_checkpointing"}
     assert bench["activation_checkpointing"] == "none" and base["activation_checkpointing"] is None
@@ -163,6 +163,7 @@ def test_bench_times_the_model_and_optimizers_base_train_trains():
     (["--total_batch_size=500"], "--total_batch_size=500"),
     (["--adamw=fast"], "--adamw"),
     (["--profile=True", "--vs=--depth=1"], "--profile"),
+    (["--fp8=True"], "--fp8=True"),  # a CPU without --fp8_emulate
 ])
 def test_bench_bad_settings_one_line_error(base_dir, args, fragment):
     """Bad settings exit 2 with one `error:` line naming the flag (no traceback)."""

@@ -6,21 +6,23 @@ key_fields that tell its cache entries apart.
 
 import torch
 
+from nanotrain.fp8 import convert_to_fp8
 from nanotrain.gpt import GPT, policy_name
 from nanotrain.optim import setup_optimizers
 from nanotrain.osft import DEFAULT_MATRICES, OSFT
 
 
 def gpt_builder(model_config, *, activation_checkpointing="none", osft_rank_ratio=0.0, osft_matrices=DEFAULT_MATRICES,
-                **optimizer_kwargs):
+                fp8_recipe=None, fp8_emulate=False, **optimizer_kwargs):
     """
     A build_probe(device) -> (model, [adamw, muon]) for nanotrain.gpt.GPT: created directly on `device` (works under
     FakeTensorMode, unlike meta + to_empty), init_weights(), activation_checkpointing set as training sets it (a
     nanotrain.gpt policy name, checked, kept in the model and the key), fresh
     optimizers from setup_optimizers(**optimizer_kwargs), and with osft_rank_ratio > 0 the OSFT bases (allocated,
-    not computed) and projection hooks, so the probed step holds what an OSFT step holds; advances torch's global
-    RNG. It carries `key_fields` (GPT config, activation checkpointing, OSFT, optimizer arguments) for the cache
-    key, so another model never hits its entry.
+    not computed) and projection hooks, so the probed step holds what an OSFT step holds; with fp8_recipe (one of
+    nanotrain.fp8.RECIPES; None: no fp8) the block Linears in float8 as --fp8=True trains them (fp8_emulate: the
+    emulated casts); advances torch's global RNG. It carries `key_fields` (GPT config, activation checkpointing, OSFT,
+    fp8, optimizer arguments) for the cache key, so another model never hits its entry.
     """
     policy = policy_name(activation_checkpointing)
 
@@ -28,6 +30,8 @@ def gpt_builder(model_config, *, activation_checkpointing="none", osft_rank_rati
         with torch.device(device):
             model = GPT(model_config)
         model.init_weights()
+        if fp8_recipe is not None:
+            convert_to_fp8(model, fp8_recipe, fp8_emulate)
         model.activation_checkpointing = policy
         optimizers = setup_optimizers(model, **optimizer_kwargs)
         if osft_rank_ratio > 0:
@@ -37,6 +41,8 @@ def gpt_builder(model_config, *, activation_checkpointing="none", osft_rank_rati
 
     build_probe.key_fields = {"gpt_config": dict(vars(model_config)), "optimizer_kwargs": dict(optimizer_kwargs),
                               "activation_checkpointing": policy}
+    if fp8_recipe is not None:
+        build_probe.key_fields["fp8"] = [fp8_recipe, bool(fp8_emulate)]
     if osft_rank_ratio > 0:
         build_probe.key_fields["osft"] = [float(osft_rank_ratio), osft_matrices]
     return build_probe
