@@ -92,7 +92,8 @@ def test_mid_train_and_chat_sft_accept_the_flags(base_dir):
 PLAN_SETTINGS = ["depth", "depths", "max_seq_len", "vocab_size", "total_batch_size", "device_memory_gb", "margin",
                  "world_size", "activation_checkpointing",  # the flags of plan mode's former argparse command line
                  "compile",  # the compiled step (base_train's CUDA default) or the eager one
-                 "window_pattern", "short_window"]  # the attention windows, planned on the backend training takes
+                 "window_pattern", "short_window",  # the attention windows, planned on the backend training takes
+                 "fp8", "fp8_recipe"]  # the float8 step (nanotrain/fp8.py)
 
 
 def test_plan_script_help_lists_every_setting():
