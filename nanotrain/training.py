@@ -54,12 +54,12 @@ def resolve_compile(compile, device):
 
 def resolve_activation_checkpointing(setting, device, discovered):
     """
-    Resolves base_train's --activation_checkpointing: None means "auto" on CUDA when the device batch size is
+    Resolves base_train's --activation_checkpointing: "" means "auto" on CUDA when the device batch size is
     discovered (the policy is then chosen with the batch size: nanotrain.auto_batch_size.policy), "none" otherwise (a
     given or fixed batch size, or CPU/MPS, where the fake-tensor probes are cheap but the recompute is not). A given
     setting is returned as it is (nanotrain.gpt.policy_name checks it). Returns a str or the given value.
     """
-    if setting is not None:
+    if setting:
         return setting
     return "auto" if torch.device(device).type == "cuda" and discovered else "none"
 

@@ -117,7 +117,7 @@ resume = False  # continue from the newest complete checkpoint of this run
 # precision and speed
 dtype = ""  # bfloat16 | float32; "" means bfloat16 autocast on CUDA and on CPUs with fast bf16 matmuls, else float32
 compile = None  # torch.compile the model; None means on for CUDA, off elsewhere
-activation_checkpointing = None  # none|selective|full|auto (nanotrain/gpt.py); None: auto on CUDA if discovered, else none
+activation_checkpointing = ""  # none|selective|full|auto (nanotrain/gpt.py); "": auto on CUDA if discovered, else none
 fsdp = False  # shard parameters, gradients and optimizer state with FSDP2 (torchrun with >1 rank)
 fp8 = False  # the blocks' Linears in float8 with dynamic scaling (torchao; CUDA capability >= 8.9); nanotrain/fp8.py
 fp8_recipe = "tensorwise"  # --fp8's scaling: tensorwise (one scale per tensor) | rowwise (per row, slower, more exact)
@@ -125,8 +125,7 @@ fp8_emulate = False  # --fp8=True on any device with the float8 casts emulated i
 config = configure(globals(), none_types={"num_iterations": (int,), "device_batch_size": (int,),
                                           "muon_weight_decay": (float,), "final_momentum": (float,),
                                           "device_memory_gb": (float,), "max_batch_size": (int,), "compile": (bool,),
-                                          "eval_tokens": (int,), "short_window": (int,),
-                                          "activation_checkpointing": (str,)})
+                                          "eval_tokens": (int,), "short_window": (int,)})
 # -----------------------------------------------------------------------------
 
 # settings a resume must share with its checkpoint (device_batch_size may change: the same tokens; so may fp8: the

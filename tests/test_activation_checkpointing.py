@@ -436,7 +436,7 @@ def test_mid_and_sft_take_the_same_policy_names(base_dir):
 
 def test_base_train_default_policy_is_auto_on_cuda_with_a_discovered_batch():
     """
-    base_train's --activation_checkpointing default (None) resolves to "auto" on CUDA when the device batch size is
+    base_train's --activation_checkpointing default ("") resolves to "auto" on CUDA when the device batch size is
     discovered (the policy chosen with the batch, so depth 20 on an 80 GB card gets selective checkpointing and 32
     rows rather than 16 without), and to "none" on CUDA with a given size and on CPU (the CPU recipe unchanged); a
     given setting is kept. Catches an "auto" default on CPU (the recipe's step would change), one with a given
@@ -445,7 +445,7 @@ def test_base_train_default_policy_is_auto_on_cuda_with_a_discovered_batch():
     from nanotrain.training import resolve_activation_checkpointing as resolve
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert resolve(None, cuda, discovered=True) == "auto"
-    assert resolve(None, cuda, discovered=False) == "none"
-    assert resolve(None, cpu, discovered=True) == "none" and resolve(None, cpu, discovered=False) == "none"
+    assert resolve("", cuda, discovered=True) == "auto"
+    assert resolve("", cuda, discovered=False) == "none"
+    assert resolve("", cpu, discovered=True) == "none" and resolve("", cpu, discovered=False) == "none"
     assert resolve("none", cuda, discovered=True) == "none" and resolve("full", cpu, discovered=False) == "full"

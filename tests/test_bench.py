@@ -141,7 +141,7 @@ def test_bench_times_the_model_and_optimizers_base_train_trains():
     """
     Every setting bench.py shares with base_train has base_train's default, except the benchmark's own smaller
     config (depth, max_seq_len, batch sizes), compile (None in base_train means on for CUDA only; bench's False is
-    that on CPU) and activation_checkpointing (None in base_train means auto on CUDA with a discovered batch, else
+    that on CPU) and activation_checkpointing ("" in base_train means auto on CUDA with a discovered batch, else
     none; bench times one given policy, "none" by default). Fails on a default changed in base_train (say its AdamW weight decay, or value embeddings turned
     off) but left behind in bench.py, which would then time a step base_train no longer runs, and on a model or
     optimizer option missing from bench.py (it could not be timed on and off with --vs).
@@ -153,7 +153,7 @@ def test_bench_times_the_model_and_optimizers_base_train_trains():
                "dtype", "row_packing", "activation_checkpointing", "fp8", "fp8_recipe", "fp8_emulate"}
     assert options <= set(bench) & set(base)
     own = {"depth", "max_seq_len", "device_batch_size", "total_batch_size", "compile", "activation_checkpointing"}
-    assert bench["activation_checkpointing"] == "none" and base["activation_checkpointing"] is None
+    assert bench["activation_checkpointing"] == "none" and base["activation_checkpointing"] == ""
     assert {k: bench[k] for k in set(bench) & set(base) - own} == {k: base[k] for k in set(bench) & set(base) - own}
 
 
