@@ -405,8 +405,8 @@ class Muon(torch.optim.Optimizer):
         """
         One Muon update of every parameter that has a gradient. finite: None (True) or a 0-d bool tensor on the
         parameters' device; False leaves every parameter and state tensor bit for bit unchanged, decided on the
-        device (no host read): the gradient is masked first (0 * NaN is NaN), the momentum's and NorMuon's EMA
-        weights and the update are multiplied by 0. Returns closure() if given, else None.
+        device (no host read): the gradient is masked to 0 first (0 * NaN is NaN), the momentum's and NorMuon's EMA
+        weights are 0 and so is the update (p - lr * 0 = p, no decay). Returns closure() if given, else None.
         """
         loss = None
         if closure is not None:
