@@ -28,9 +28,6 @@ def adamw_lr_scale(model_dim):
     return (model_dim / 768) ** -0.5
 
 
-HALF = torch.tensor(0.5, dtype=torch.float64)  # a tensor exponent: pow(x, 0.5) as Python's, not sqrt
-
-
 def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, finite):
     """
     One AdamW update of p in place (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"), gated on the
@@ -50,7 +47,8 @@ def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weig
     p.mul_(1 - lr * weight_decay * f)
     exp_avg.lerp_(g, ((1 - beta1) * f).to(exp_avg.dtype))
     exp_avg_sq.mul_(torch.where(finite, beta2, 1.0)).addcmul_((1 - beta2) * g, g)  # g = 0: v unchanged
-    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** t).pow(HALF.to(t.dtype))).add_(eps)
+    # a tensor exponent: pow(x, 0.5) as Python's x ** 0.5 (a scalar 0.5 would take sqrt, another rounding)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** t).pow(torch.full_like(t, 0.5))).add_(eps)
     p.add_(-(lr * f) / (1 - beta1 ** t) * exp_avg / denom)
 
 

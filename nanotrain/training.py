@@ -1,7 +1,8 @@
 """
 The training step, written once, and the small pieces every stage's loop shares: precision set-up, the batch
 arithmetic, the lr and momentum schedules, forward_backward (the micro-steps of one optimizer step, with the one
-gradient-sync rule of DDP and FSDP2), optimizer_step and the finiteness checks. Every caller goes through
+gradient-sync rule of DDP and FSDP2), optimizer_step (no host read: a non-finite gradient norm's update is gated off
+on the device), step_stats / read_step_stats (the loop's one host read per step) and the finiteness checks. Every caller goes through
 forward_backward: base_train and mid_train (rows of equal length), chat_sft (token-weighted micro-batches), the
 automatic batch size's out-of-memory step-down (the same rows in smaller micro-batches) and its memory probe (the
 step itself). The loops stay in the scripts, to be read top to bottom; a run directory's life is nanotrain.run.
