@@ -2,9 +2,10 @@
 Benchmark of Muon's optimizer step by shape (nanotrain.muon.Muon: one stacked orthogonalisation per shape) against
 a per-parameter loop (per_matrix_step below, the step as nanotrain ran it before: one matrix at a time, its
 Newton-Schulz compiled alone when compiled), eager and compiled, at the block matrices of `depth` (and one step of
-each at `depth_one`). The variants are interleaved, `reps` times after a warm-up round; medians and min..max in
-seconds. Polar Express, NorMuon (beta2) and cautious weight decay on, as the GPU recipe runs them. One process (the
-sharing across ranks divides the orthogonalisation by the world size on top of this). Prints one JSON object.
+each at `depth_one`, one variant alive at a time: ~5 GB each at depth 20). At `depth` the variants are interleaved,
+`reps` times after a warm-up round; medians and min..max in seconds. Polar Express, NorMuon (beta2) and cautious
+weight decay on, as the GPU recipe runs them. One process (the sharing across ranks divides the orthogonalisation by
+the world size on top of this). Prints one JSON object.
 
     python dev/bench_muon_step.py                                    # depth 12, then one step at depth 20
     python dev/bench_muon_step.py --depth=2 --depth_one=0 --reps=1 --compile=False   # a quick check that it runs
@@ -100,13 +101,21 @@ def main():
         if d <= 0:
             continue
         shapes = matrix_shapes(d)
-        variants = {f"{k}_{'compiled' if c else 'eager'}": Variant(k, c, shapes, device) for k, c in names}
-        times = {name: [] for name in variants}
-        for rep in range(n + 1):  # round 0 warms up (and compiles)
-            for name, v in variants.items():
-                t = v.step()
-                if rep > 0:
-                    times[name].append(t)
+        times = {f"{k}_{'compiled' if c else 'eager'}": [] for k, c in names}
+        if d == depth:  # all variants alive, interleaved
+            variants = {name: Variant(k, c, shapes, device) for name, (k, c) in zip(times, names)}
+            for rep in range(n + 1):  # round 0 warms up (and compiles)
+                for name, v in variants.items():
+                    t = v.step()
+                    if rep > 0:
+                        times[name].append(t)
+            del variants
+        else:  # one variant at a time (at depth 20 each holds ~5 GB), a warm-up step then the timed one
+            for name, (k, c) in zip(times, names):
+                v = Variant(k, c, shapes, device)
+                v.step()
+                times[name].append(v.step())
+                del v
         res = {"matrices": len(shapes), "shapes": {str(s): shapes.count(s) for s in sorted(set(shapes))},
                "reps": n, "step_s": {name: spread(ts) for name, ts in times.items()}}
         for mode in ("eager", "compiled"):
@@ -114,7 +123,6 @@ def main():
                 res[f"speedup_{mode}"] = round(statistics.median(times[f"per_matrix_{mode}"])
                                                / statistics.median(times[f"stacked_{mode}"]), 3)
         result[f"depth_{d}"] = res
-        del variants
     print(json.dumps(result, indent=1))
 
 

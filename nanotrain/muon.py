@@ -114,7 +114,7 @@ def variance_normalized(update, second_moment, weight):
     second_moment = second_moment.lerp(u.square().mean(dim=dim, keepdim=True), weight)
     scaled = u * second_moment.clamp_min(1e-10).rsqrt()
     norm = (lambda t: t.norm()) if u.ndim == 2 else (lambda t: t.norm(dim=(-2, -1), keepdim=True))
-    return (scaled * (norm(u) / norm(scaled).clamp_min(1e-10))).to(update.dtype), second_moment
+    return scaled.mul_(norm(u) / norm(scaled).clamp_min(1e-10)).to(update.dtype), second_moment
 
 
 def normalize_variance(update, state, beta2):
@@ -137,44 +137,44 @@ def normalize_variance(update, state, beta2):
 
 def muon_momentum(grads, bufs, hyper, finite=None, nesterov=True):
     """
-    The momentum part of Muon's step on a stack: grads, bufs (n, rows, cols) of one dtype; hyper: fp32 tensor
-    (momentum, 1 - momentum, ...) on their device (muon_hyperparameters); finite: None or a 0-d bool tensor, False
-    meaning the gradients are not to be used (replaced by zeros first: 0 * NaN is NaN). Returns (the new buffers
-    lerp(bufs, grads, 1 - momentum), the update: lerp(grads, new buffers, momentum) with nesterov, else the buffers).
-    No in-place change.
+    The momentum part of Muon's step on a stack, in place (the stacks are the step's own copies: no second copy of
+    the stack is made): grads, bufs (n, rows, cols) of one dtype; hyper: fp32 tensor (momentum, 1 - momentum, ...) on
+    their device (muon_hyperparameters); finite: None or a 0-d bool tensor, False meaning the gradients are not to be
+    used (set to zero first, as 0 * NaN is NaN; with muon_hyperparameters' zero weights the buffers then stay as they
+    were). bufs becomes lerp(bufs, grads, 1 - momentum); returns the update: with nesterov lerp(grads, new bufs,
+    momentum), written into grads, else bufs itself.
     """
     if finite is not None:
-        grads = torch.where(finite, grads, torch.zeros_like(grads))
-    bufs = bufs.lerp(grads, hyper[1])
-    return bufs, (grads.lerp(bufs, hyper[0]) if nesterov else bufs)
+        grads.masked_fill_(finite.logical_not(), 0.0)
+    bufs.lerp_(grads, hyper[1])
+    return grads.lerp_(bufs, hyper[0]) if nesterov else bufs
 
 
-def muon_update(params, bufs, new_bufs, second_moments, new_moments, ortho, hyper, finite=None):
+def muon_update(params, ortho, hyper):
     """
-    The end of Muon's step on a stack: cautious weight decay and the update of params (n, rows, cols) by ortho (the
-    orthogonalised, NorMuon-normalised update of the same rows, any float dtype): p - s * wd * p * (u * p > 0) - s * u
-    with s = lr * sqrt(max(1, rows / cols)) (hyper: fp32 tensor (momentum, 1 - momentum, s, s * wd, 1 - beta2),
-    muon_hyperparameters). bufs, second_moments: the old state, new_bufs, new_moments the new one (moments None
-    without NorMuon). finite: None, or a 0-d bool tensor: where False every returned tensor equals the old one bit for
-    bit. Returns (params, buffers, second moments or None), new tensors.
+    The end of Muon's step on a stack, in place on params (n, rows, cols; the step's own copy): cautious weight decay
+    and the update by ortho (the orthogonalised, NorMuon-normalised update of the same rows, any float dtype):
+    p - s * wd * p * (u * p > 0) - s * u with s = lr * sqrt(max(1, rows / cols)) (hyper: fp32 tensor (momentum,
+    1 - momentum, s, s * wd, 1 - beta2), muon_hyperparameters; all zero: params stay as they were). Returns None.
     """
     u = ortho.to(params.dtype)
-    new_params = params - params * (u * params > 0) * hyper[3]  # cautious: only where u moves p towards zero too
-    new_params = torch.addcmul(new_params, u, -hyper[2])  # p + (-s) u: what p.add_(u, alpha=-s) computes
-    if finite is None:
-        return new_params, new_bufs, new_moments
-    keep = (lambda new, old: torch.where(finite, new, old))
-    return (keep(new_params, params), keep(new_bufs, bufs),
-            None if new_moments is None else keep(new_moments, second_moments))
+    params.sub_((params * (u * params > 0)).mul_(hyper[3]))  # cautious: only where u moves p towards zero too
+    params.addcmul_(u, -hyper[2])  # p + (-s) u: what p.add_(u, alpha=-s) computes
 
 
-def muon_hyperparameters(group, shape, device):
-    """The hyperparameters of a stack of `shape` (rows, cols) in `group` as one fp32 tensor on `device`: (momentum,
+def muon_hyperparameters(group, shape, device, finite=None):
+    """
+    The hyperparameters of a stack of `shape` (rows, cols) in `group` as one fp32 tensor on `device`: (momentum,
     1 - momentum, s, s * weight_decay, 1 - beta2) with s = lr * sqrt(max(1, rows / cols)), computed in Python's double
-    (one host-to-device copy, no read back)."""
+    (one host-to-device copy, no read back). finite: None or a 0-d bool tensor on `device`; where False, all zeros:
+    the step's weights are then 0, and with the gradients masked to zero (muon_momentum) every lerp, the decay and the
+    update leave their tensor as it was (x + 0 * finite = x, up to the sign of an exact zero), decided on the device.
+    """
     s = group["lr"] * max(1.0, shape[-2] / shape[-1]) ** 0.5
     m = group["momentum"]
-    return torch.tensor([m, 1 - m, s, s * group["weight_decay"], 1 - group["beta2"]], dtype=torch.float32, device=device)
+    hyper = torch.tensor([m, 1 - m, s, s * group["weight_decay"], 1 - group["beta2"]], dtype=torch.float32,
+                         device=device)
+    return hyper if finite is None else torch.where(finite, hyper, torch.zeros_like(hyper))
 
 
 def _local(t):
@@ -289,14 +289,15 @@ class Muon(torch.optim.Optimizer):
         """
         One Muon update of every parameter that has a gradient, stack by stack. finite: None (the gradients are
         used) or a 0-d bool tensor on the parameters' device: where it is False every parameter and state tensor is
-        left bit for bit as it was, decided on the device (no host read). Collective when process_group is set or
+        left as it was, bit for bit up to the sign of an exact zero, decided on the device (no host read; the
+        gradients are masked, the step's weights zeroed: muon_hyperparameters). Collective when process_group is set or
         the parameters are DTensors. Returns closure() if given, else None.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        finish = None  # the previous stack's end: its all-gather runs while this stack is orthogonalised
+        finish = None  # the previous stack's end: its gather runs while this stack is orthogonalised
         for group in self.param_groups:
             stacks = {}
             for p in group["params"]:
@@ -306,7 +307,7 @@ class Muon(torch.optim.Optimizer):
                 started = self._start_stack(group, params, finite)
                 if finish is not None:
                     finish()
-                finish = started
+                finish = started if started.waits else started()  # nothing to overlap: ended now (returns None)
         if finish is not None:
             finish()
         return loss
@@ -314,7 +315,8 @@ class Muon(torch.optim.Optimizer):
     def _start_stack(self, group, params, finite):
         """The first half of the step of `params`, all of one shape, dtype and device (Muon.step): the momentum,
         this rank's share of the orthogonalisation and NorMuon, the gather of the results launched. Returns the
-        second half, a function of no arguments that waits for the gather and writes the parameters and the state."""
+        second half, a function of no arguments (attribute `waits`: whether it waits for a collective) that writes
+        the parameters and the rest of the state, and returns None."""
         fns, shape, n = self.fns, tuple(params[0].shape), len(params)
         normuon = group["beta2"] > 0
         for p in params:
@@ -324,13 +326,13 @@ class Muon(torch.optim.Optimizer):
             if normuon and "second_moment" not in state:
                 side = (shape[0], 1) if shape[0] >= shape[1] else (1, shape[1])
                 state["second_moment"] = torch.zeros(side, dtype=torch.float32, device=_local(p).device)
-        grads = torch.stack([_local(p.grad) for p in params])
-        bufs = torch.stack([_local(self.state[p]["momentum_buffer"]) for p in params])
-        moments = torch.stack([self.state[p]["second_moment"] for p in params]) if normuon else None
-        hyper = muon_hyperparameters(group, shape, grads.device)
-        new_bufs, u = fns["momentum"](grads, bufs, hyper, finite, group["nesterov"])
+        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
+        hyper = muon_hyperparameters(group, shape, bufs[0].device, finite)  # finite False: all zero
+        new_bufs = torch.stack(bufs)
+        u = fns["momentum"](torch.stack([_local(p.grad) for p in params]), new_bufs, hyper, finite, group["nesterov"])
+        torch._foreach_copy_(bufs, list(new_bufs.unbind(0)))
         have = u.size(1)  # this rank's rows (all of them unless sharded)
-        del grads
+        del new_bufs, bufs
 
         mesh = getattr(params[0], "device_mesh", None)
         pg = mesh.get_group() if mesh is not None else self.process_group
@@ -346,37 +348,36 @@ class Muon(torch.optim.Optimizer):
         ns_dtype = NS_DTYPES.get(group["ns_dtype"]) or ns_dtype_for(u.device)  # eagerly: it may measure the CPU
         ortho = fns["zeropower"](u, group["ns_steps"], ns_dtype, group["polar_express"])
         del u
-        new_moments = None
+        moments, works = None, []
         if normuon:  # on whole matrices: this rank's (zero-padded past n, like the update) or all of them
+            moments = [self.state[p]["second_moment"] for p in params]
             mine = moments[first:first + per] if world > 1 else moments
-            if mine.size(0) < ortho.size(0):
-                mine = torch.cat([mine, mine.new_zeros(ortho.size(0) - mine.size(0), *mine.shape[1:])])
+            mine = torch.stack(mine + [torch.zeros_like(moments[0])] * (ortho.size(0) - len(mine)))
             ortho, new_moments = fns["normalize"](ortho, mine, hyper[4])
-        works = []
-        if world > 1:  # the second moments (small) and the updates of every rank's matrices, gathered
-            if normuon:
+            if world > 1:  # every rank's second moments (small)
                 gathered = new_moments.new_empty(per * world, *new_moments.shape[1:])
                 works.append(_all_gather(gathered, new_moments, pg))
                 new_moments = gathered
+        if world > 1:  # the updates of every rank's matrices
             if mesh is not None:  # FSDP2: back to this rank's rows of every matrix
                 work, local_rows = _matrices_to_rows(ortho, n, have, pg)
                 works.append(work)
             else:
-                gathered = ortho.new_empty(per * world, *ortho.shape[1:])
-                works.append(_all_gather(gathered, ortho, pg))
-                local_rows = (lambda: gathered[:n])
+                gathered_ortho = ortho.new_empty(per * world, *ortho.shape[1:])
+                works.append(_all_gather(gathered_ortho, ortho, pg))
+                local_rows = (lambda: gathered_ortho[:n])
+            del ortho
         else:
             local_rows = (lambda: ortho)
 
         def finish():
             for work in works:
                 work.wait()
-            old = torch.stack([_local(p) for p in params])
-            new_params, bufs_out, moments_out = fns["update"](old, bufs, new_bufs, moments,
-                                                              None if new_moments is None else new_moments[:n],
-                                                              local_rows(), hyper, finite)
-            torch._foreach_copy_([_local(p) for p in params], list(new_params.unbind(0)))
-            torch._foreach_copy_([_local(self.state[p]["momentum_buffer"]) for p in params], list(bufs_out.unbind(0)))
-            if moments_out is not None:
-                torch._foreach_copy_([self.state[p]["second_moment"] for p in params], list(moments_out.unbind(0)))
+            if moments is not None:
+                torch._foreach_copy_(moments, list(new_moments[:n].unbind(0)))
+            locals_ = [_local(p) for p in params]
+            new_params = torch.stack(locals_)
+            fns["update"](new_params, local_rows(), hyper)
+            torch._foreach_copy_(locals_, list(new_params.unbind(0)))
+        finish.waits = bool(works)
         return finish
