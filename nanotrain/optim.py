@@ -38,9 +38,10 @@ def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weig
     shard is updated like a whole tensor); step (t): 0-d fp32 tensor on p's device, incremented here; lr, beta1,
     beta2, eps, weight_decay: 0-d CPU tensors (fp64; fp32 for MPS), so that new values do not recompile the compiled
     version; finite: 0-d bool tensor on p's device. finite False leaves p, m, v and t bit for bit unchanged without a
-    host read: the gradient is masked first (0 * NaN is NaN), every other change is multiplied by 0. Returns None.
+    host read: the gradient is masked first, in place (0 * NaN is NaN), every other change is multiplied by 0.
+    Returns None.
     """
-    g = torch.where(finite, grad, 0.0)
+    g = grad.masked_fill_(~finite, 0.0)  # in place (the caller drops the gradient after the step): no copy
     f = finite.to(lr.dtype)
     step.add_(finite.to(step.dtype))
     t = step.to(lr.dtype).clamp_min(1.0)  # a first step skipped: t stays 0, and 1 - beta^0 = 0 must not divide
@@ -48,8 +49,8 @@ def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weig
     exp_avg.lerp_(g, ((1 - beta1) * f).to(exp_avg.dtype))
     exp_avg_sq.mul_(torch.where(finite, beta2, 1.0)).addcmul_((1 - beta2) * g, g)  # g = 0: v unchanged
     # a tensor exponent: pow(x, 0.5) as Python's x ** 0.5 (a scalar 0.5 would take sqrt, another rounding)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2 ** t).pow(torch.full_like(t, 0.5))).add_(eps)
-    p.add_(-(lr * f) / (1 - beta1 ** t) * exp_avg / denom)
+    denom = exp_avg_sq.sqrt().div_((1 - beta2 ** t).pow(torch.full_like(t, 0.5))).add_(eps)
+    p.add_((exp_avg * (-(lr * f) / (1 - beta1 ** t))).div_(denom))  # two temporaries at most, as torch's step
 
 
 def _local(t):
