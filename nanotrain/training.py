@@ -303,7 +303,7 @@ def forward_backward(model, batches, autocast_ctx, *, loss_scale=None, catch_oom
     return total / n if loss_scale is None else total
 
 
-def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
+def optimizer_step(model, optimizers, lrm, momentum, grad_clip, *, skip_nonfinite=True):
     """
     One update of every optimizer, queued without a host read: the global gradient norm (a device tensor), clipped to
     grad_clip if > 0 (torch.nn.utils.clip_grad_norm_: the clip coefficient stays on the device), each group's lr set
@@ -312,7 +312,8 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     (set to None). nanotrain's optimizers (nanotrain.optim) gate their update on the device: a NaN/inf norm (with
     the soft-capped loss a NaN gradient shows up a step before a NaN loss) leaves every parameter and optimizer state
     bit for bit unchanged; the caller stops the run with check_finite when it reads the norm. An optimizer whose
-    step() takes no `finite` (e.g. torch.optim.SGD) costs one host read: it steps only if the norm is finite.
+    step() takes no `finite` (e.g. torch.optim.SGD) costs one host read: it steps only if the norm is finite
+    (skip_nonfinite=False: it steps without that read; the memory probe under FakeTensorMode has no values).
     Returns the gradient norm before clipping (a plain 0-dim fp32 tensor on the device, also when grad_clip is 0).
     Under FSDP2 the norm is computed over the shards and all-reduced (a replicated DTensor, made plain here), so it
     is the global norm on every rank.
@@ -334,7 +335,7 @@ def optimizer_step(model, optimizers, lrm, momentum, grad_clip):
     for opt in optimizers:
         if "finite" in inspect.signature(opt.step).parameters:
             opt.step(finite=finite)
-        elif finite:  # another optimizer: a host read decides
+        elif not skip_nonfinite or finite:  # another optimizer: a host read decides
             opt.step()
     model.zero_grad(set_to_none=True)
     return grad_norm

@@ -49,7 +49,7 @@ def probe_step(model, optimizers, batch_size, max_seq_len, vocab_size, *, device
 
     forward_backward(model, [batch(), batch()], autocast_ctx, on_micro_step=on_micro_step)
     if optimizer_step_on:
-        optimizer_step(model, optimizers, None, None, 1.0)
+        optimizer_step(model, optimizers, None, None, 1.0, skip_nonfinite=False)
     else:  # the same clipping and zeroing, without the step
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         model.zero_grad(set_to_none=True)
