@@ -59,7 +59,8 @@ from nanotrain.dataset import iter_documents, resolve_data_files
 from nanotrain.errors import UserError
 from nanotrain.fp8 import check_fp8, convert_to_fp8, describe
 from nanotrain.gpt import GPT, build_model, config_from_depth, policy_name
-from nanotrain.optim import compile_optimizer_step, ns_dtype_for, setup_optimizers
+from nanotrain.muon import ns_dtype_for
+from nanotrain.optim import compile_optimizer_step, setup_optimizers
 from nanotrain.tokenizer import get_tokenizer
 from nanotrain.training import (
     auto_total_batch_size,
@@ -93,7 +94,7 @@ steps = 10  # timed optimizer steps (without --vs)
 threads = 0  # torch intra-op threads; 0 keeps torch's default
 prefetch = -1  # batches the loader's thread makes ahead; 0: off; -1: the loader's default (1 on CUDA, else 0)
 adamw = ""  # AdamW implementation: "" nanotrain's (setup_optimizers) | torch's foreach | fused | for (+ one host read a step)
-ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (nanotrain.optim.ns_dtype_for) | float32 | bfloat16
+ns_dtype = ""  # Muon's Newton-Schulz compute dtype: "" its default (nanotrain.muon.ns_dtype_for) | float32 | bfloat16
 memory_estimate = True  # on CPU also run the MemTracker estimate of the step's peak memory (extra time)
 loader_seconds = 1.0  # how long to time the token loader alone
 tokenizer_chars = 1_000_000  # characters of documents for the tokenizer's encode throughput
