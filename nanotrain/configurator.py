@@ -271,10 +271,13 @@ RULES = {
     # the server (scripts/chat_serve.py)
     "port": ints(0, note="0 picks a free port"),
     "context_len": ints(0, note="0: the model's max_seq_len"),
-    "max_batch": COUNT,
+    "max_batch": ints(0, note="0: from the KV cache's memory"),
     "num_gpus": COUNT,
-    "max_queue": COUNT,
+    "max_queue": ints(0, note="0: 2 x max_batch"),
     "max_body_bytes": COUNT,
+    "prefill_chunk": COUNT,  # prompt tokens prefilled per decode step at most
+    "idle_timeout": reals(0, lo_open=True, note="seconds"),
+    "max_connections": ints(0, note="0: from the open-file limit"),
     "max_messages": COUNT,
     "rounds": COUNT,  # serve_bench: rounds per concurrency
     "cpu_threads": ints(0, note="0: every core but one"),

@@ -364,6 +364,7 @@ def train_losses(fp8, seed, files, tokenizer, steps=50):
 
 
 @pytest.mark.slow  # ~2 min on 2 busy cores; the default tier keeps the linear's bounds and the resume above
+@pytest.mark.timeout(1800)  # 4 runs of 50 steps: over pytest's 600 s on a slow 2-core machine under load
 def test_50_steps_of_fp8_end_near_bf16(base_dir):
     """
     A depth-2 model trained 50 steps with emulated float8 block Linears ends within 0.02 nats of the run without
