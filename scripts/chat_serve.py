@@ -57,7 +57,7 @@ import torch
 import nanotrain.interrupt  # noqa: F401 (Ctrl-C: one line, exit 130)
 from nanotrain.checkpoint import find_run_dir, load_model
 from nanotrain.common import autodetect_device_type, run_script
-from nanotrain.configurator import COUNT, configure, ints
+from nanotrain.configurator import configure, ints
 from nanotrain.errors import UserError
 from nanotrain.serve.batch_engine import QueueFull
 from nanotrain.serve.engine_process import EngineProcess
@@ -88,9 +88,7 @@ num_gpus = 1  # engines, one per GPU (cuda:0..N-1), each request to the least lo
 tool = True  # run the calculator tool when the model calls it
 device_type = ""  # cuda | mps | cpu; "" autodetects
 cpu_threads = 0  # torch's threads when serving on a CPU; 0: every core but one (the HTTP loop's)
-config = configure(globals(), rules={"max_tokens": ints(0, note="0: up to the end of the context"),
-                                     "max_batch": ints(0, note="0: from the KV cache's memory"),
-                                     "max_queue": ints(0, note="0: 2 x max_batch"), "prefill_chunk": COUNT})
+config = configure(globals(), rules={"max_tokens": ints(0, note="0: up to the end of the context")})
 # -----------------------------------------------------------------------------
 
 HTML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_serve.html")
