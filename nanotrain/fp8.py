@@ -100,7 +100,8 @@ def convert_to_fp8(model, recipe="tensorwise", emulate=False, fsdp_float8_all_ga
     """
     Swaps, in place, the Linears of model.blocks named in BLOCK_LINEARS whose in and out features are multiples of
     16 (what _scaled_mm needs; model_dim = 64 * depth always is) for torchao Float8Linear of fp8_config(recipe,
-    emulate, fsdp_float8_all_gather), keeping each weight Parameter (same tensor, same name, fp32). Call it on the
+    emulate, fsdp_float8_all_gather), keeping each weight Parameter (same tensor, same name, fp32), each running
+    under any device's autocast as torchao runs it under CUDA's (_autocast_outside). Call it on the
     built (and loaded) GPT before FSDP sharding, torch.compile, DDP and setup_optimizers. Returns the converted
     modules' names (list[str], e.g. "blocks.0.attn.c_q").
     """
@@ -115,7 +116,27 @@ def convert_to_fp8(model, recipe="tensorwise", emulate=False, fsdp_float8_all_ga
         return ok
     float8.convert_to_float8_training(model.blocks, module_filter_fn=keep,
                                       config=fp8_config(recipe, emulate, fsdp_float8_all_gather))
+    for name in names:
+        module = model.get_submodule(name)
+        module.forward = _autocast_outside(module.forward)
     return names
+
+
+def _autocast_outside(forward):
+    """
+    A Float8Linear's forward under autocast on any device: torchao casts the input to CUDA's autocast dtype itself
+    (its forward reads only the GPU autocast state), but under a CPU autocast the matmul of its float8 tensors would be
+    autocast's again and fails (aten.to.dtype on a float8 tensor). So on a device other than CUDA with autocast on,
+    the input goes in the autocast dtype with autocast off inside, which is what torchao does on CUDA (the output in
+    the autocast dtype).
+    """
+    def wrapped(x):
+        kind = x.device.type
+        if kind != "cuda" and torch.is_autocast_enabled(kind):
+            with torch.autocast(kind, enabled=False):
+                return forward(x.to(torch.get_autocast_dtype(kind)))
+        return forward(x)
+    return wrapped
 
 
 def plain_tensor(t):
