@@ -237,6 +237,9 @@ def _iter_txt(path, first, start):
     return 1
 
 
+READERS = {".parquet": _iter_parquet, ".jsonl": _iter_jsonl, ".txt": _iter_txt}  # by file extension (EXTENSIONS)
+
+
 def iter_documents(files, start=0):
     """
     Yields (doc_index, text) for the documents of `files` in order; doc_index is the global 0-based index across the
@@ -253,14 +256,10 @@ def iter_documents(files, start=0):
     for path in files:
         if not os.path.isfile(path):
             raise UserError(f"{path}: no such file")
-        if path.endswith(".parquet"):
-            index += yield from _iter_parquet(path, index, start)
-        elif path.endswith(".jsonl"):
-            index += yield from _iter_jsonl(path, index, start)
-        elif path.endswith(".txt"):
-            index += yield from _iter_txt(path, index, start)
-        else:
+        reader = next((r for ext, r in READERS.items() if path.endswith(ext)), None)
+        if reader is None:
             raise UserError(f"{path}: unsupported file type; expected .parquet, .jsonl or .txt")
+        index += yield from reader(path, index, start)
 
 
 def main():

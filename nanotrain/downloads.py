@@ -267,13 +267,16 @@ def check_reachable(endpoint, timeout=HUB_CONNECT_TIMEOUT_S):
     socket.create_connection((url.hostname, port), timeout=timeout).close()
 
 
+def behind_proxy(url):
+    """True when a proxy is set for `url`'s scheme (a TCP check of its host would then say nothing)."""
+    return bool(urllib.request.getproxies().get(urllib.parse.urlparse(url).scheme))
+
+
 def unreachable_reason():
     """None when the hub looks reachable (or cannot be tested: offline mode uses the cache, a proxy hides the route),
     else a short reason ("offline? cannot reach https://huggingface.co: ...")."""
-    if offline_mode():
-        return None
     endpoint = hub_endpoint()
-    if urllib.request.getproxies().get(urllib.parse.urlparse(endpoint).scheme):
+    if offline_mode() or behind_proxy(endpoint):
         return None
     try:
         check_reachable(endpoint)

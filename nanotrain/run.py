@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.common import all_reduce_scalar, any_rank, atomic_write_json, get_base_dir, is_distributed, print0
+from nanotrain.downloads import behind_proxy, check_reachable
 from nanotrain.errors import UserError, os_errors_name
 from nanotrain.fsdp import is_fsdp
 
@@ -233,14 +234,10 @@ def start_wandb(project, run_dir, settings):
     hint = "set WANDB_MODE=offline to keep the run on disk (wandb sync later), or leave --wandb_project empty"
     mode = os.environ.get("WANDB_MODE", "online").strip().lower()
     if mode not in ("offline", "disabled", "dryrun"):
-        import urllib.parse
-        import urllib.request
         server = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
-        url = urllib.parse.urlparse(server)
-        if not urllib.request.getproxies().get(url.scheme):
+        if not behind_proxy(server):
             try:
-                socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                         timeout=WANDB_TIMEOUT_S).close()
+                check_reachable(server, WANDB_TIMEOUT_S)
             except (OSError, ValueError) as e:
                 raise UserError(f"--wandb_project={project}: cannot reach the wandb server {server} (offline? {e}); "
                                 f"{hint}") from None
@@ -315,10 +312,9 @@ class ETA:
 
     def __init__(self, total_steps, skip=5):
         self.total_steps, self.skip = total_steps, skip
-        self.seen, self.times = 0, []
+        self.times = []
 
     def update(self, step, dt):
-        self.seen += 1
         self.times.append(dt)
         steady = self.times[self.skip:] or self.times[1:] or self.times
         return (self.total_steps - step) * sum(steady) / len(steady)

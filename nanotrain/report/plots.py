@@ -40,10 +40,14 @@ def read_metrics(run_dir):
 
 
 
-def _save_png(fig, path):
-    """Saves `fig` to `path` through a temp file and os.replace; on any error the temp file is removed and the error
-    raised (an OSError without a file name, e.g. a full disk, then names `path`)."""
+def _save_png(fig, out_dir, name, written):
+    """Lays out `fig`, saves it to <out_dir>/<name> through a temp file and os.replace, closes it and appends `name`
+    to `written`; on any error the temp file is removed and the error raised (an OSError without a file name, e.g. a
+    full disk, then names the PNG)."""
+    import matplotlib.pyplot as plt
+    path = os.path.join(out_dir, name)
     tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.tight_layout()
     try:
         with os_errors_name(path):
             fig.savefig(tmp, dpi=100)
@@ -52,6 +56,8 @@ def _save_png(fig, path):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+    plt.close(fig)
+    written.append(name)
 
 
 def use_plot_cache_dir():
@@ -95,10 +101,7 @@ def write_plots(run_dir, out_dir, stage):
             axes[1].set_ylim(-0.02, 1.02)
         if len(rows) == 1 and train:  # one evaluation: the x axis still spans the run's steps
             axes[1].set_xlim(0, max(r["step"] for r in train + rows) or 1)
-        fig.tight_layout()
-        _save_png(fig, os.path.join(out_dir, f"{stage}_loss.png"))
-        plt.close(fig)
-        written.append(f"{stage}_loss.png")
+        _save_png(fig, out_dir, f"{stage}_loss.png", written)
     rows = [r for r in train if "reward" in r]
     if rows:  # RL: the mean reward and the mean sample length per step
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -106,18 +109,12 @@ def write_plots(run_dir, out_dir, stage):
         axes[0].set(xlabel="step", ylabel="mean reward", title=f"{stage}: reward of the samples")
         axes[1].plot([r["step"] for r in rows], [r["mean_length"] for r in rows], lw=1, color="tab:green")
         axes[1].set(xlabel="step", ylabel="tokens", title=f"{stage}: mean sample length")
-        fig.tight_layout()
-        _save_png(fig, os.path.join(out_dir, f"{stage}_reward.png"))
-        plt.close(fig)
-        written.append(f"{stage}_reward.png")
+        _save_png(fig, out_dir, f"{stage}_reward.png", written)
     rows = [r for r in train if "tok_per_sec" in r]
     if rows:
         fig, ax = plt.subplots(figsize=(6, 3.6))
         ax.plot([r["step"] for r in rows], [r["tok_per_sec"] for r in rows], lw=1)
         ax.set(xlabel="step", ylabel="tokens/s", title=f"{stage}: training throughput")
         ax.set_ylim(bottom=0)
-        fig.tight_layout()
-        _save_png(fig, os.path.join(out_dir, f"{stage}_tokens_per_sec.png"))
-        plt.close(fig)
-        written.append(f"{stage}_tokens_per_sec.png")
+        _save_png(fig, out_dir, f"{stage}_tokens_per_sec.png", written)
     return written

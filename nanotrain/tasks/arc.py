@@ -13,23 +13,6 @@ REPO = "allenai/ai2_arc"
 HUB_SPLIT = {"train": "train", "val": "validation"}
 
 
-def arc_conversation(row, task):
-    """One ARC row (hub columns: question, choices {text, label}, answerKey) as a multiple-choice conversation;
-    labels "1".."5" become "A".."E". Raises ValueError for a row that cannot be rendered (what is wrong)."""
-    labels, texts = list(row["choices"]["label"]), list(row["choices"]["text"])
-    key = row["answerKey"]
-    if all(lab.isdigit() for lab in labels):
-        to_letter = {lab: "ABCDE"[int(lab) - 1] for lab in labels if 1 <= int(lab) <= 5}
-        if len(to_letter) != len(labels):
-            raise ValueError(f"labels {labels} are not 1..5")
-        labels, key = [to_letter[lab] for lab in labels], to_letter.get(key, key)
-    if not all(len(lab) == 1 and lab.isalpha() and lab.isupper() for lab in labels) or len(set(labels)) != len(labels):
-        raise ValueError(f"labels {labels} are neither letters nor 1..5")
-    if key not in labels:
-        raise ValueError(f"answerKey {key!r} is not one of the labels {labels}")
-    return mc_conversation(row["question"], texts, labels.index(key), labels, task, id=row.get("id"))
-
-
 class ARC(Task):
     """ARC over the hub configs `configs` (see the module docstring); categorical, chance 0.25 (nanochat's).
     load(split, source): "test" (benchmarks only: source "auto", "hub", "pinned" or a folder) or "train"/"val" (source
@@ -43,7 +26,21 @@ class ARC(Task):
         self.hub_test = (REPO, configs[0], "test")
 
     def to_conversation(self, row):
-        return arc_conversation(row, self.name)
+        """One ARC row (hub columns: question, choices {text, label}, answerKey) as a multiple-choice conversation;
+        labels "1".."5" become "A".."E". Raises ValueError for a row that cannot be rendered (what is wrong)."""
+        labels, texts = list(row["choices"]["label"]), list(row["choices"]["text"])
+        key = row["answerKey"]
+        if all(lab.isdigit() for lab in labels):
+            to_letter = {lab: "ABCDE"[int(lab) - 1] for lab in labels if 1 <= int(lab) <= 5}
+            if len(to_letter) != len(labels):
+                raise ValueError(f"labels {labels} are not 1..5")
+            labels, key = [to_letter[lab] for lab in labels], to_letter.get(key, key)
+        letters = all(len(lab) == 1 and lab.isalpha() and lab.isupper() for lab in labels)
+        if not letters or len(set(labels)) != len(labels):
+            raise ValueError(f"labels {labels} are neither letters nor 1..5")
+        if key not in labels:
+            raise ValueError(f"answerKey {key!r} is not one of the labels {labels}")
+        return mc_conversation(row["question"], texts, labels.index(key), labels, self.name, id=row.get("id"))
 
     def load(self, split, source=None, seed=0):
         self.check_split(split)

@@ -84,8 +84,7 @@ class HumanEval(Task):
     splits = ("test",)
     hub_test = ("openai/openai_humaneval", "openai_humaneval", "test")
 
-    def to_conversation(self, row):
-        return humaneval_conversation(row)
+    to_conversation = staticmethod(humaneval_conversation)
 
     def load(self, split, source=None, seed=0):
         self.check_split(split)

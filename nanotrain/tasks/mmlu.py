@@ -10,15 +10,6 @@ from nanotrain.tasks.common import Task, load_hub_rows, load_test_set, mc_conver
 REPO = "cais/mmlu"
 
 
-def mmlu_conversation(row, task="mmlu"):
-    """One MMLU row (hub columns: question, subject, choices (4), answer 0-3) as a multiple-choice conversation with
-    letters A-D and its "subject". Raises ValueError for a row that cannot be rendered."""
-    if len(row["choices"]) != 4:
-        raise ValueError(f"{len(row['choices'])} choices, MMLU has 4")
-    return mc_conversation(row["question"], list(row["choices"]), int(row["answer"]), "ABCD", task,
-                           subject=row.get("subject"))
-
-
 class MMLU(Task):
     """MMLU with `hub_splits` {our split: the hub's split} (see the module docstring); categorical, chance 0.25.
     load(split, source): "test" from "auto", "hub", "pinned" or a folder; "train"/"val" from "hub" or a folder."""
@@ -31,7 +22,12 @@ class MMLU(Task):
         self.splits = tuple(hub_splits)
 
     def to_conversation(self, row):
-        return mmlu_conversation(row, self.name)
+        """One MMLU row (hub columns: question, subject, choices (4), answer 0-3) as a multiple-choice conversation with
+        letters A-D and its "subject". Raises ValueError for a row that cannot be rendered."""
+        if len(row["choices"]) != 4:
+            raise ValueError(f"{len(row['choices'])} choices, MMLU has 4")
+        return mc_conversation(row["question"], list(row["choices"]), int(row["answer"]), "ABCD", self.name,
+                               subject=row.get("subject"))
 
     def load(self, split, source=None, seed=0):
         self.check_split(split)

@@ -11,21 +11,17 @@ REPO = "HuggingFaceTB/smol-smoltalk"
 HUB_SPLIT = {"train": "train", "val": "test"}
 
 
-def smoltalk_conversation(row):
-    """One SmolTalk row ({"messages": [...]}) as a conversation {"messages", "task": "smoltalk"} with only role and
-    content kept. Raises ValueError (what is wrong) for a row that is not a valid training conversation."""
-    problem = validate_conversation({"messages": row["messages"]})
-    if problem is not None:
-        raise ValueError(problem)
-    return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]], "task": "smoltalk"}
-
-
 class SmolTalk(Task):
     """SmolTalk (see the module docstring); graded on the last line (grade_last_line)."""
     name = "smoltalk"
 
     def to_conversation(self, row):
-        return smoltalk_conversation(row)
+        """One SmolTalk row ({"messages": [...]}) as a conversation {"messages", "task": "smoltalk"} with only role and
+        content kept. Raises ValueError (what is wrong) for a row that is not a valid training conversation."""
+        problem = validate_conversation({"messages": row["messages"]})
+        if problem is not None:
+            raise ValueError(problem)
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in row["messages"]], "task": "smoltalk"}
 
     def load(self, split, source=None, seed=0):
         self.check_split(split)
