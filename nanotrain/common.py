@@ -197,6 +197,11 @@ def is_distributed():
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "min": "MIN", "max": "MAX"}
 
 
+def rank_world():
+    """(rank, world_size) in this process's process group; (0, 1) without one."""
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
 def all_reduce_scalar(value, op, device):
     """
     One number reduced over all ranks: op is "sum", "mean", "min" or "max". value: a 0-dim tensor (reduced in its
@@ -283,10 +288,8 @@ def indexed_device(device):
 def compute_cleanup():
     """Destroys the process group if one is up (safe to call twice, on error paths too)."""
     if is_distributed():
-        try:
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:
-            pass
 
 
 def atomic_write_text(path, text):

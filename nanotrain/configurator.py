@@ -42,10 +42,8 @@ def _declared_settings(source, stop_line):
     comments. Returns {name: comment} in source order.
     """
     tree = ast.parse(source)
-    comments = {}
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     settings = {}
     for node in tree.body:
         if node.lineno >= stop_line:

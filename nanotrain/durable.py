@@ -21,6 +21,7 @@ scripts hold the run's lock, nanotrain.run.lock_run_dir), and damage to a commit
 the files they load).
 """
 
+import contextlib
 import os
 import shutil
 
@@ -59,10 +60,8 @@ def remove_dir(path, marker):
     if not os.path.isdir(path) or os.path.islink(path):
         os.unlink(path)
         return
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, marker))
-    except FileNotFoundError:
-        pass
     shutil.rmtree(path)
 
 

@@ -5,6 +5,7 @@ and the end of a stage (finish_run: the replica check under DDP, the summary; th
 What is inside checkpoints/ is nanotrain.checkpoint's.
 """
 
+import contextlib
 import errno
 import json
 import math
@@ -82,10 +83,8 @@ def lock_run_dir(run_dir, device, rank=0):
             except OSError as exc:
                 error = exc
         if error is not None and f is not None:
-            try:
+            with contextlib.suppress(OSError):  # the unwritten line of a full disk fails again on close
                 f.close()
-            except OSError:  # the unwritten line of a full disk fails again on close
-                pass
     state = int(all_reduce_scalar(2 if error is not None else 0 if taken else 1, "max", device))  # 1: held, 2: error
     if error is not None:
         raise error
@@ -172,10 +171,8 @@ class MetricsLog:
     def close(self):
         """Closes the file; a row that still cannot be written (a full disk) is dropped: the file is closed anyway."""
         if self.file is not None and not self.file.closed:
-            try:
+            with contextlib.suppress(OSError):
                 self.file.close()
-            except OSError:
-                pass
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None

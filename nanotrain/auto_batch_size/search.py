@@ -24,7 +24,7 @@ from nanotrain.auto_batch_size.cache import (
     write_cached,
 )
 from nanotrain.auto_batch_size.probe import FakeProbe, GiB, RealProbe, device_memory_budget
-from nanotrain.common import atomic_write_json, is_distributed, print0, rng_state, set_rng_state
+from nanotrain.common import atomic_write_json, is_distributed, print0, rank_world, rng_state, set_rng_state
 from nanotrain.errors import UserError
 
 DEFAULT_MARGIN = 0.85  # fraction of the device memory the training step may use
@@ -169,10 +169,9 @@ def discover_device_batch_size(build_probe, *, max_seq_len, vocab_size, total_ba
     device = torch.device(device)
     if not 0 < margin <= 1:
         raise UserError(f"--batch_size_margin={margin}: expected a fraction in (0, 1]")
-    ranks = dist.get_world_size() if is_distributed() else 1
+    rank, ranks = rank_world()
     if ranks > 1 and ranks != world_size:
         raise ValueError(f"world_size={world_size} but the process group has {ranks} ranks")
-    rank = dist.get_rank() if ranks > 1 else 0
     probe = probe or ("real" if device.type == "cuda" else "fake")
     if probe not in ("fake", "real"):
         raise ValueError(f"probe={probe!r}: expected 'fake', 'real' or None")

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from nanotrain.common import rank_world
 from nanotrain.conversation import text_of
 from nanotrain.errors import UserError
 from nanotrain.evaluation.samples import calculator_calls, sample_row, totals
@@ -27,13 +28,6 @@ from nanotrain.tasks.common import wilson_interval
 from nanotrain.tasks.gsm8k import extract_answer as gsm8k_answer
 from nanotrain.tasks.humaneval import extract_program
 from nanotrain.tasks.registry import BENCHMARKS, TASKS, grade
-
-
-def _dist():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
 
 # ----------------------------------------------------------------------------- grading
 
@@ -147,7 +141,7 @@ def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, nu
     if num_samples < 1 or (num_samples > 1 and temperature == 0):
         raise UserError(f"num_samples={num_samples} with temperature={temperature}: expected num_samples >= 1, and "
                         f"temperature > 0 when num_samples > 1 (greedy samples are all the same)")
-    rank, world = _dist()
+    rank, world = rank_world()
     mine = conversations[rank::world]
     ids = list(range(len(conversations)))[rank::world]
     rows = []

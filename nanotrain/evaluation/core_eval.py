@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import atomic_write_json, atomic_write_text, print0
+from nanotrain.common import atomic_write_json, atomic_write_text, print0, rank_world
 from nanotrain.errors import UserError
 from nanotrain.evaluation.core_bundle import load_rows, read_bundle, verify_bundle
 from nanotrain.evaluation.samples import sample_row, write_samples
@@ -153,8 +153,7 @@ def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=
     (nanotrain.evaluation.samples.sample_row: the rendered prompts, the options' scores as "continuation_scores") on rank 0,
     gathered from all ranks.
     """
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank, world = rank_world()
     max_len = model.config.max_seq_len
     was_training = model.training
     model.eval()

@@ -22,7 +22,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import print0
+from nanotrain.common import print0, rank_world
 from nanotrain.downloads import ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
@@ -118,8 +118,7 @@ def evaluate_gold_bpb(model, tokenizer, rows, token_bytes, device, autocast_ctx=
     cropped from the left. Rows are strided over ranks, the sums all-reduced. Returns {"gold_bpb": float, <task>:
     float, ...}, the same on every rank.
     """
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    rank, world = rank_world()
     bos, max_len = tokenizer.get_bos_token_id(), model.config.max_seq_len
     ctx = autocast_ctx if autocast_ctx is not None else torch.autocast(device.type, enabled=False)
     names = list(rows)

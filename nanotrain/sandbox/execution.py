@@ -44,6 +44,7 @@ Platforms: Linux (bwrap and the uid sweep need /proc). On macOS, as a non-root u
 resource limits are skipped. On Windows run_program raises RuntimeError.
 """
 
+import contextlib
 import math
 import os
 import shutil
@@ -222,10 +223,8 @@ def _run(code, timeout_s, memory_bytes, cpu_s, file_bytes, pass_fds, unsafe_code
 def _end(proc, uid, python, cgroup):
     """SIGKILL the program's process group (for bwrap: bwrap, whose pid namespace dies with it) and reap the program;
     with a throwaway uid, also every process of that uid (those that left the group too), then its leftovers."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
     if uid is None:
         if cgroup is not None:

@@ -25,6 +25,7 @@ benchmarks) is made 0700 when others could enter it (the program runs under anot
 mounted; with no isolation nothing is kept from it. A local copy (--data=/path) is the user's to keep unreadable.
 """
 
+import contextlib
 import os
 import stat
 import subprocess
@@ -215,11 +216,9 @@ def check_humaneval(program, prompt, test, entry_point, timeout_s=5.0, memory_by
                     os.close(calls_w)
                     os.close(answers_r)
                     calls_w = answers_r = None
-                try:
+                with contextlib.suppress(BrokenPipeError):
                     checker.stdin.write(json.dumps(job).encode("utf-8"))
                     checker.stdin.close()
-                except BrokenPipeError:
-                    pass
             else:
                 code = (f"import io, sys\nsys.argv[1:] = [{str(calls_w)!r}, {str(answers_r)!r}]\n"
                         f"sys.stdin = io.StringIO({json.dumps(job)!r})\n{CHECKER}")

@@ -5,6 +5,7 @@ time, whatever they do) and remove the files and SysV IPC objects it left. Linux
 /sys/fs/cgroup); every function here is a no-op or returns False where those are missing.
 """
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -210,10 +211,8 @@ class Cgroup:
             except (OSError, ValueError):
                 continue
             for pid in pids:
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
 
     def remove(self):
         """Remove the cgroup directories (retried for a moment while the kernel lets go of its exited processes)."""
