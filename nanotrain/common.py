@@ -182,6 +182,17 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """model.eval() for the block, then the training mode it had (also when the block returns early or raises)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def seed_everything(seed):
     """Seeds Python's, NumPy's and torch's (CPU and CUDA) generators."""
     random.seed(seed)

@@ -5,11 +5,12 @@ Bits per byte: the validation metric of pretraining, independent of the tokenize
 
 import math
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import is_distributed, synchronize
+from nanotrain.common import eval_mode, is_distributed, synchronize
 
 
 @torch.no_grad()
@@ -27,37 +28,32 @@ def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None, stop=Non
     the rest will take (the second batch's time between two device syncs, times the batches left: the first batch
     may include compilation).
     """
-    was_training = model.training
-    model.eval()
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_bytes = torch.zeros((), dtype=torch.float64, device=device)
-    for i in range(steps):
-        if log_eta is not None and steps >= 3 and i in (1, 2):  # the second batch's time: two syncs per evaluation
-            synchronize(device)
-            if i == 1:
-                t_batch = time.perf_counter()
-            else:
-                log_eta(f"val: {steps - 2} of {steps} batches left, ETA {(time.perf_counter() - t_batch) * (steps - 2):.0f} s")
-        if stop is not None and stop():
-            model.train(was_training)
-            return None
-        x, y = next(batches)
-        if autocast_ctx is not None:
-            with autocast_ctx:
+    with eval_mode(model):
+        for i in range(steps):
+            if log_eta is not None and steps >= 3 and i in (1, 2):  # the second batch's time: two syncs per evaluation
+                synchronize(device)
+                if i == 1:
+                    t_batch = time.perf_counter()
+                else:
+                    eta = (time.perf_counter() - t_batch) * (steps - 2)
+                    log_eta(f"val: {steps - 2} of {steps} batches left, ETA {eta:.0f} s")
+            if stop is not None and stop():
+                return None
+            x, y = next(batches)
+            with autocast_ctx if autocast_ctx is not None else nullcontext():
                 loss = model(x, y, loss_reduction="none")
-        else:
-            loss = model(x, y, loss_reduction="none")
-        y = y.reshape(-1)
-        nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], torch.zeros_like(y))
-        counted = nbytes > 0
-        total_nats += (loss.reshape(-1).double() * counted).sum()
-        total_bytes += nbytes.double().sum()
+            y = y.reshape(-1)
+            nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], torch.zeros_like(y))
+            counted = nbytes > 0
+            total_nats += (loss.reshape(-1).double() * counted).sum()
+            total_bytes += nbytes.double().sum()
     if is_distributed():  # nats and bytes in one all-reduce
         both = torch.stack([total_nats, total_bytes])
         dist.all_reduce(both, op=dist.ReduceOp.SUM)
         total_nats, total_bytes = both[0], both[1]
-    model.train(was_training)
     if total_bytes.item() == 0:
         return float("inf")
     return (total_nats / (math.log(2) * total_bytes)).item()

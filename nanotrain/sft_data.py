@@ -17,11 +17,13 @@ render_conversation) to the tensors a training step runs on:
 Targets use IGNORE_INDEX = -1 (GPT.forward's ignore index) for every position that is not trained.
 """
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import all_reduce_scalar, is_distributed
+from nanotrain.common import all_reduce_scalar, eval_mode, is_distributed
 
 IGNORE_INDEX = -1
 LONG_POLICIES = ("truncate", "drop")
@@ -251,22 +253,16 @@ def evaluate_loss(model, batches, autocast_ctx=None, stop=None):
     stop: optional callable, asked before each batch (equally often on every rank, so it may be collective): when
     it returns True the evaluation is abandoned and None is returned (a stop request during a long evaluation).
     """
-    was_training = model.training
-    model.eval()
     total, count, device = None, 0, None
-    for b in batches:
-        if stop is not None and stop():
-            model.train(was_training)
-            return None
-        device = b["x"].device
-        if autocast_ctx is not None:
-            with autocast_ctx:
+    with eval_mode(model):
+        for b in batches:
+            if stop is not None and stop():
+                return None
+            device = b["x"].device
+            with autocast_ctx if autocast_ctx is not None else nullcontext():
                 loss = model(b["x"], b["y"], loss_reduction="sum", doc_ids=b["doc_ids"])
-        else:
-            loss = model(b["x"], b["y"], loss_reduction="sum", doc_ids=b["doc_ids"])
-        total = loss.double() if total is None else total + loss.double()
-        count += b["targets"]
-    model.train(was_training)
+            total = loss.double() if total is None else total + loss.double()
+            count += b["targets"]
     device = device or torch.device("cpu")
     stats = torch.stack([total if total is not None else torch.zeros((), dtype=torch.float64, device=device),
                          torch.tensor(float(count), dtype=torch.float64, device=device)])

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import rank_world
+from nanotrain.common import eval_mode, rank_world
 from nanotrain.conversation import text_of
 from nanotrain.errors import UserError
 from nanotrain.evaluation.samples import calculator_calls, sample_row, totals
@@ -102,9 +102,7 @@ def score_multiple_choice(model, tokenizer, conversations, batch_size=8, autocas
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out = [None] * len(prompts)
     scores = [None] * len(prompts)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for lo in range(0, len(order), batch_size):
             rows = order[lo:lo + batch_size]
             lengths = [len(prompts[i]) for i in rows]
@@ -119,8 +117,6 @@ def score_multiple_choice(model, tokenizer, conversations, batch_size=8, autocas
                 focus = logits[r, lengths[r] - 1 - start, [letter_ids[k] for k in letters]]
                 out[i] = letters[int(focus.argmax())]
                 scores[i] = dict(zip(letters, focus.float().tolist()))
-    finally:
-        model.train(was_training)
     return (out, scores) if with_scores else out
 
 

@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import atomic_write_json, atomic_write_text, print0, rank_world
+from nanotrain.common import atomic_write_json, atomic_write_text, eval_mode, print0, rank_world
 from nanotrain.errors import UserError
 from nanotrain.evaluation.core_bundle import load_rows, read_bundle, verify_bundle
 from nanotrain.evaluation.samples import sample_row, write_samples
@@ -155,12 +155,10 @@ def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=
     """
     rank, world = rank_world()
     max_len = model.config.max_seq_len
-    was_training = model.training
-    model.eval()
     outcomes = torch.zeros(len(rows), dtype=torch.float32, device=device)
     mine = []  # this rank's sample records
     rounds = (len(rows) + world - 1) // world
-    try:
+    with eval_mode(model):
         for r in range(rounds):
             if stop is not None and r % STOP_CHECK_EVERY == 0 and stop():
                 return None
@@ -176,8 +174,6 @@ def evaluate_task(model, tokenizer, rows, task, device, autocast_ctx=None, stop=
             outcomes[i] = float(right)
             if samples is not None:
                 mine.append(core_sample(task, i, prompts, tokens, starts, ends, gold, right, scores, tokenizer))
-    finally:
-        model.train(was_training)
     if world > 1:
         dist.all_reduce(outcomes, op=dist.ReduceOp.SUM)
         if samples is not None:

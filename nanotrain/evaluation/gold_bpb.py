@@ -22,7 +22,7 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from nanotrain.common import print0, rank_world
+from nanotrain.common import eval_mode, print0, rank_world
 from nanotrain.downloads import ensure_built, write_marker
 from nanotrain.durable import commit
 from nanotrain.errors import UserError
@@ -123,9 +123,7 @@ def evaluate_gold_bpb(model, tokenizer, rows, token_bytes, device, autocast_ctx=
     ctx = autocast_ctx if autocast_ctx is not None else torch.autocast(device.type, enabled=False)
     names = list(rows)
     sums = torch.zeros(len(names), 2, dtype=torch.float64)  # nats, bytes per task
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for k, name in enumerate(names):
             mine = rows[name][rank::world]
             for b in range(0, len(mine), BATCH):
@@ -148,8 +146,6 @@ def evaluate_gold_bpb(model, tokenizer, rows, token_bytes, device, autocast_ctx=
                 nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], torch.zeros_like(y)).double()
                 sums[k, 0] += (loss * (y >= 0)).sum().cpu()
                 sums[k, 1] += nbytes.sum().cpu()
-    finally:
-        model.train(was_training)
     if world > 1:
         sums = sums.to(device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
