@@ -409,5 +409,4 @@ def load_model(stage, run_name="", step=-1, device="cpu"):
     tokenizer = get_tokenizer()
     model = build_model(GPTConfig(**ckpt["meta"]["model_config"]), device, ckpt, tokenizer.get_vocab_size(),
                         tokenizer_sha256=tokenizer.fingerprint())
-    model.eval()
-    return model, tokenizer, path, ckpt["meta"]
+    return model.eval(), tokenizer, path, ckpt["meta"]

@@ -26,7 +26,7 @@ from nanotrain.errors import UserError
 from nanotrain.gpt import GPT, GPTConfig, build_model
 
 FORMAT = "nanotrain-gpt-2"  # 2: value embeddings, smear, backout, lambdas in the model
-WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile's OptimizedModule, DistributedDataParallel
+WRAPPER_PREFIXES = re.compile(r"^(?:_orig_mod\.|module\.)+")  # torch.compile's OptimizedModule, DistributedDataParallel
 
 
 def clean_state_dict(state_dict):
@@ -34,20 +34,7 @@ def clean_state_dict(state_dict):
     The state dict with the wrapper prefixes of torch.compile ("_orig_mod.") and DDP ("module.") removed from the
     front of every key, in any order and nesting (DDP(compile(model)) gives "module._orig_mod."). Values unchanged.
     """
-    out = {}
-    for key, value in state_dict.items():
-        stripped = True
-        while stripped:
-            stripped = False
-            for prefix in WRAPPER_PREFIXES:
-                if key.startswith(prefix):
-                    key, stripped = key[len(prefix):], True
-        out[key] = value
-    return out
-
-
-def _config_dict(model_config):
-    return dict(vars(model_config)) if not isinstance(model_config, dict) else dict(model_config)
+    return {WRAPPER_PREFIXES.sub("", key): value for key, value in state_dict.items()}
 
 
 def export_safetensors(model_or_state_dict, model_config, path, dtype=None, metadata=None):
@@ -62,7 +49,7 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
     as a SafetensorError carrying the system's error number; it is raised as that OSError); no temporary file is
     left. Returns the path.
     """
-    config = _config_dict(model_config)
+    config = dict(model_config) if isinstance(model_config, dict) else dict(vars(model_config))
     state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module) \
         else model_or_state_dict
     state = clean_state_dict(state)
