@@ -17,13 +17,14 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import socket
 import urllib.error
 import urllib.parse
 import urllib.request
 
 from nanotrain.common import any_rank, get_base_dir, get_dist_info, print0
-from nanotrain.durable import fsync_path, is_complete, recover
+from nanotrain.durable import commit, fsync_path, is_complete, recover
 from nanotrain.errors import UserError
 
 try:
@@ -108,6 +109,25 @@ def write_marker(folder, marker, info):
         os.fsync(f.fileno())
     fsync_path(folder)
     return files
+
+
+def commit_files(final, marker, files, info):
+    """Makes the complete directory `final` of `files` ({name: text}, written as UTF-8): they go into final.tmp/,
+    then the marker (write_marker with `info`), which is then committed (nanotrain.durable.commit). final.tmp is
+    removed on every path. Raises OSError."""
+    tmp = final + ".tmp"
+    try:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+        for name, text in files.items():
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                f.write(text)
+        write_marker(tmp, marker, info)
+        commit(tmp, final, marker)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
 
 
 def read_manifest(folder, marker):

