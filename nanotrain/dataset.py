@@ -24,7 +24,7 @@ import re
 import time
 
 from nanotrain.builtin_corpus import build_builtin_corpus, builtin_stats
-from nanotrain.common import die, get_base_dir, print0
+from nanotrain.common import get_base_dir, print0, run_script
 from nanotrain.downloads import hub_endpoint, offline_mode, unreachable_reason
 from nanotrain.errors import UserError
 
@@ -265,11 +265,8 @@ def iter_documents(files, start=0):
 def main():
     """`python -m nanotrain.dataset`: builds (or finds) the builtin corpus and prints its statistics."""
     t0 = time.time()
-    try:
-        d = build_builtin_corpus()
-        stats = builtin_stats()
-    except UserError as e:
-        die(str(e))
+    d = build_builtin_corpus()
+    stats = builtin_stats()
     print(f"builtin corpus: {d}")
     print(f"documents: {stats['docs']:,} (train {stats['train_docs']:,}, val {stats['val_docs']:,})")
     print(f"characters: {stats['chars']:,}")
@@ -279,4 +276,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)
