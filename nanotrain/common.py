@@ -354,10 +354,14 @@ def check_compile_toolchain(device):
     """
     if torch.device(device).type != "cpu":
         return
-    candidates = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-    if not any(c and shutil.which(c) for c in candidates):
+    if cxx_compiler() is None:
         raise UserError("--compile=True on CPU needs a C++ compiler (g++ or clang++, or $CXX) for torch.compile; "
                         "install one or pass --compile=False")
+
+
+def cxx_compiler():
+    """The first C++ compiler on the PATH among $CXX, g++, c++ and clang++ (its name), or None."""
+    return next((c for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c and shutil.which(c)), None)
 
 
 def synchronize(device):

@@ -12,15 +12,13 @@ AdamW is a plain single-process optimizer: under DDP the gradients are already a
 rank computes the same update; under FSDP2 (nanotrain.fsdp) it updates each rank's shards elementwise.
 """
 
-import os
 import platform
-import shutil
 
 import torch
 
-from nanotrain.common import print0
+from nanotrain.common import cxx_compiler, print0
 from nanotrain.errors import UserError
-from nanotrain.muon import NS_DTYPES, Muon, ns_dtype_for
+from nanotrain.muon import NS_DTYPES, Muon, _local, ns_dtype_for
 
 
 def adamw_lr_scale(model_dim):
@@ -51,11 +49,6 @@ def adamw_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weig
     # a tensor exponent: pow(x, 0.5) as Python's x ** 0.5 (a scalar 0.5 would take sqrt, another rounding)
     denom = exp_avg_sq.sqrt().div_((1 - beta2 ** t).pow(torch.full_like(t, 0.5))).add_(eps)
     p.add_((exp_avg * (-(lr * f) / (1 - beta1 ** t))).div_(denom))  # two temporaries at most, as torch's step
-
-
-def _local(t):
-    """The local shard of a DTensor (FSDP2; the same storage, so in-place updates land in it), else t itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class AdamW(torch.optim.AdamW):
@@ -179,7 +172,7 @@ def compile_unavailable(device, backend="inductor"):
         return None
     if platform.system() == "Windows":
         return "torch.compile's CPU code generation is not set up on Windows here"
-    if not any(c and shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++")):
+    if cxx_compiler() is None:
         return "no C++ compiler (g++, c++, clang++ or $CXX) on the PATH"
     return None
 
