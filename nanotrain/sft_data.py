@@ -225,9 +225,7 @@ class ConversationSampler:
 def global_target_count(local_count, device):
     """The number of trained targets of an optimizer step over all ranks (int): all-reduce SUM (exact, int64) of
     this rank's count over its micro-batches, taken before any backward. Without torch.distributed it is local_count."""
-    if not is_distributed():
-        return int(local_count)  # no tensor on `device`, so no CUDA sync in a single process
-    return all_reduce_scalar(int(local_count), "sum", device)
+    return all_reduce_scalar(int(local_count), "sum", device)  # no process group: no tensor, so no CUDA sync
 
 
 def token_loss_scale(global_count, world_size=1):

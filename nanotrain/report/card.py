@@ -170,18 +170,14 @@ def chat_eval_comparison(run_name, run_dir):
     """
     dirs = dict(find_stage_dirs(run_name))
     dirs.pop("eval", None)
+    if os.path.abspath(run_dir) not in [os.path.abspath(d) for d in dirs.values()]:
+        dirs[os.path.basename(os.path.dirname(os.path.abspath(run_dir))) or "run"] = run_dir
     evals, sample_files = {}, {}
     for stage, d in dirs.items():
         e = _read_json(os.path.join(d, "chat_eval.json"))
         if e:
             evals[stage] = e
             sample_files[stage] = os.path.join(d, "chat_eval_samples.jsonl")
-    if os.path.abspath(run_dir) not in [os.path.abspath(d) for d in dirs.values()]:
-        e = _read_json(os.path.join(run_dir, "chat_eval.json"))
-        if e:
-            name = os.path.basename(os.path.dirname(os.path.abspath(run_dir))) or "run"
-            evals[name] = e
-            sample_files[name] = os.path.join(run_dir, "chat_eval_samples.jsonl")
     if len(evals) < 2:
         return ""
     tasks = list(dict.fromkeys(t for e in evals.values() for t in e.get("results", {})))
