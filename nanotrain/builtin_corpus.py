@@ -118,11 +118,6 @@ def _write_parquet(path, docs):
                    compression="zstd")
 
 
-def get_builtin_dir():
-    """<base_dir>/data/builtin."""
-    return os.path.join(get_base_dir(), "data", "builtin")
-
-
 def build_builtin_corpus():
     """
     Builds the builtin corpus once and returns its directory, <base_dir>/data/builtin, holding train_00000.parquet ..
@@ -131,7 +126,7 @@ def build_builtin_corpus():
     ranks) are safe: the first rename wins and the others discard their copy. Raises UserError if the directory
     exists without a marker.
     """
-    final = get_builtin_dir()
+    final = os.path.join(get_base_dir(), "data", "builtin")
     if os.path.exists(os.path.join(final, MARKER)):
         return final
     parent = os.path.dirname(final)

@@ -88,13 +88,6 @@ def _save_tensors(obj, path):
         os.fsync(f.fileno())
 
 
-def _free_bytes(path):
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
 SAVES = {"writing": None, "written": None, "after_stop": False}  # this process's saves, for interrupted_line
 
 
@@ -135,7 +128,10 @@ def _ctrl_c_in(exc):
 
 def _save_failed(exc, root, final, tmp, rank):
     """The one-line UserError for a checkpoint write that failed with `exc`, after removing the unfinished `tmp`."""
-    free = _free_bytes(root)  # measured before the cleanup gives the space back
+    try:
+        free = shutil.disk_usage(root).free  # measured before the cleanup gives the space back
+    except OSError:
+        free = None
     if not is_complete(tmp, MARKER):  # a complete one (the commit's rename failed) is the newest copy: kept
         shutil.rmtree(tmp, ignore_errors=True)
     previous = [p for p in list_checkpoints(os.path.dirname(root)) if p != final]

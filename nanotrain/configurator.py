@@ -299,10 +299,6 @@ def rule_for(name, rules=None):
     return next((rule for suffix, rule in SUFFIX_RULES if name.endswith(suffix)), None)
 
 
-def _shown_value(value):
-    return _shown(value) if isinstance(value, str) else _shown(repr(value) if not _is_real(value) else str(value))
-
-
 def validate(values, defaults=None, rules=None):
     """
     Checks every setting of `values` (name -> value) against its Rule (rule_for). `defaults` (name -> default): a
@@ -326,7 +322,8 @@ def validate(values, defaults=None, rules=None):
             value is default or (type(value) is type(default) and value == default))
         where = " (the script's default)" if is_default else ""
         allowed = rule.allowed + (", or None (see --help)" if none_ok else "")
-        raise ConfigError(f"--{name}={_shown_value(value)}{where}: expected {allowed}")
+        shown = _shown(value if isinstance(value, str) else str(value) if _is_real(value) else repr(value))
+        raise ConfigError(f"--{name}={shown}{where}: expected {allowed}")
 
 
 def format_help(doc, settings, comments):

@@ -155,11 +155,6 @@ COMPILE_ERRORS = ("BackendCompilerFailed", "InductorError")  # torch._dynamo.exc
 # those modules are slow imports, and InductorError is missing from older torch)
 
 
-def _is_compile_error(exc):
-    """True if exc (or a class it derives from) is one of COMPILE_ERRORS: a kernel that could not be built."""
-    return any(cls.__name__ in COMPILE_ERRORS for cls in type(exc).__mro__)
-
-
 def compile_unavailable(device, backend="inductor"):
     """
     Why torch.compile cannot build the optimizer step on `device` here, as one line, or None when it can: dynamo
@@ -195,7 +190,7 @@ class CompiledOrEager:
             try:
                 return self.impl(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - re-raised unless a kernel failed to build
-                if not _is_compile_error(exc):
+                if not any(cls.__name__ in COMPILE_ERRORS for cls in type(exc).__mro__):  # nor a class it derives from
                     raise
                 print0(f"compile_optimizer_step: {self.name} could not be compiled ({type(exc).__name__}: "
                        f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); running it eagerly")

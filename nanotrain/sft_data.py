@@ -192,18 +192,15 @@ class ConversationSampler:
         self.epoch, self.offset = 0, 0
         self._order_epoch, self._order = None, None
 
-    def _current_order(self):
-        if self._order_epoch != self.epoch:
-            self._order, self._order_epoch = epoch_order(self.num_items, self.seed, self.epoch, self.shuffle), self.epoch
-        return self._order
-
     def take(self, k):
         """The next k item indices (list[int]), crossing into the next epoch when this one runs out."""
         out = []
         while len(out) < k:
-            order = self._current_order()
+            if self._order_epoch != self.epoch:
+                self._order = epoch_order(self.num_items, self.seed, self.epoch, self.shuffle)
+                self._order_epoch = self.epoch
             n = min(k - len(out), self.num_items - self.offset)
-            out += order[self.offset:self.offset + n]
+            out += self._order[self.offset:self.offset + n]
             self.offset += n
             if self.offset == self.num_items:
                 self.epoch, self.offset = self.epoch + 1, 0

@@ -189,10 +189,7 @@ def core_sample(task, i, prompts, tokens, starts, ends, gold, right, scores, tok
     """The sample record (nanotrain.evaluation.samples.sample_row) of CORE row i: prompt (the gold option's rendered text),
     prompts (every option's), target (gold index; language modelling: the continuation), resps (each option's
     score, continuation_scores too), reply (the chosen option's scored text), extracted (its index)."""
-    if task["task_type"] == "language_modeling":
-        chosen = 0
-    else:
-        chosen = scores.index(min(scores))
+    chosen = 0 if task["task_type"] == "language_modeling" else scores.index(min(scores))
     spans = [tokenizer.decode(t[s:e]) for t, s, e in zip(tokens, starts, ends)]
     return dict(sample_row(task["label"], "core", i, prompts[min(gold, len(prompts) - 1)],
                            spans[0] if task["task_type"] == "language_modeling" else gold, spans[chosen], chosen,

@@ -58,11 +58,6 @@ class Task:
 
 # ----------------------------------------------------------------------------- grading shared by tasks
 
-def _normalize(line):
-    line = re.sub(r"^\s*answer\s*[:=]?\s*", "", line.strip(), flags=re.IGNORECASE)
-    return " ".join(line.lower().split()).rstrip(".!")
-
-
 def grade_last_line(conversation, reply):
     """
     True when the last non-empty line of `reply`, without an "Answer:" prefix, case, extra spaces and a trailing
@@ -76,7 +71,8 @@ def grade_last_line(conversation, reply):
 
     def last_line(t):
         lines = [x for x in t.strip().splitlines() if x.strip()]
-        return _normalize(lines[-1]) if lines else ""
+        line = re.sub(r"^\s*answer\s*[:=]?\s*", "", lines[-1].strip() if lines else "", flags=re.IGNORECASE)
+        return " ".join(line.lower().split()).rstrip(".!")
     return last_line(reply) == last_line(reference) != ""
 
 
