@@ -92,6 +92,4 @@ def calculate(expr):
         value = _eval(tree)
     except (_Refused, SyntaxError, ValueError, TypeError, OverflowError, RecursionError, MemoryError):
         return None
-    if isinstance(value, str):  # a bare string literal is not a calculation
-        return None
-    return _format(value)
+    return None if isinstance(value, str) else _format(value)  # a bare string literal is not a calculation

@@ -46,10 +46,7 @@ def is_complete(path, marker):
 def best_copy(final, marker):
     """The newest complete copy of the directory `final` among final + ".tmp", final, final + ".old" (see the module
     docstring), or None when there is none. Reads only."""
-    for suffix in SUFFIXES:
-        if is_complete(final + suffix, marker):
-            return final + suffix
-    return None
+    return next((final + suffix for suffix in SUFFIXES if is_complete(final + suffix, marker)), None)
 
 
 def remove_dir(path, marker):

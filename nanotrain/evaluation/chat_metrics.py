@@ -70,10 +70,7 @@ def _target(conversation):
     assistant message's text."""
     if "answer" in conversation:
         return conversation["answer"]
-    for m in reversed(conversation["messages"]):
-        if m["role"] == "assistant":
-            return text_of(m["content"])
-    return None
+    return next((text_of(m["content"]) for m in reversed(conversation["messages"]) if m["role"] == "assistant"), None)
 
 
 # ----------------------------------------------------------------------------- scoring

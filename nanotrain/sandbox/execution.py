@@ -302,9 +302,7 @@ def _runnable_by_others(path):
     """Whether a user with no rights of its own can reach and run path (a file or a directory): its real path's
     directories are searchable and the path itself readable and executable by others (ACLs are not looked at)."""
     path = os.path.realpath(path)
-    if os.stat(path).st_mode & 0o005 != 0o005:
-        return False
-    return reachable_by_others(path)
+    return os.stat(path).st_mode & 0o005 == 0o005 and reachable_by_others(path)
 
 
 def reachable_by_others(path):
