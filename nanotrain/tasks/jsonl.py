@@ -75,22 +75,19 @@ def load_hf(name_or_path, split, skip_bad_rows=None):
     import datasets  # here, not at the top: it loads many modules (pandas, pyarrow, ...), needed by hf: only
     if split not in ("train", "val"):
         raise UserError(f"split={split!r}: expected 'train' or 'val'")
-    cache_dir = os.path.join(get_base_dir(), "hf_datasets")
+    args = dict(path=name_or_path)  # a directory, or a hub name
     if os.path.isfile(name_or_path):
         builder = "parquet" if name_or_path.endswith(".parquet") else "json"
         args = dict(path=builder, data_files={"train": name_or_path})
-    elif os.path.isdir(name_or_path):
-        args = dict(path=name_or_path)
-    else:
+    elif not os.path.isdir(name_or_path):
         if name_or_path.startswith((".", "/")) or name_or_path.count("/") != 1:
             raise UserError(f"hf data set {name_or_path!r}: no such local file or directory, and not a hub name "
                             f"like owner/name; {DATA_HINT}")
         reason = unreachable_reason()
         if reason is not None:
             raise UserError(f"could not load the Hugging Face data set {name_or_path} ({reason}); {DATA_HINT}")
-        args = dict(path=name_or_path)
     try:
-        ds = datasets.load_dataset(**args, cache_dir=cache_dir)
+        ds = datasets.load_dataset(**args, cache_dir=os.path.join(get_base_dir(), "hf_datasets"))
     except Exception as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise UserError(f"could not load the Hugging Face data set {name_or_path} ({type(e).__name__}: {reason}); "
