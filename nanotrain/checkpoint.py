@@ -340,15 +340,9 @@ def find_run_dir(stage, run=""):
     if run:
         path = os.path.join(stage_dir, run)
         return path if os.path.isdir(path) else None
-    best = None
-    if os.path.isdir(stage_dir):
-        for name in os.listdir(stage_dir):
-            ckpts = list_checkpoints(os.path.join(stage_dir, name))
-            if ckpts:
-                t = os.path.getmtime(os.path.join(ckpts[-1], "meta.json"))
-                if best is None or t > best[0]:
-                    best = (t, os.path.join(stage_dir, name))
-    return best[1] if best else None
+    runs = [os.path.join(stage_dir, name) for name in os.listdir(stage_dir)] if os.path.isdir(stage_dir) else []
+    newest = {r: os.path.getmtime(os.path.join(ckpts[-1], MARKER)) for r in runs if (ckpts := list_checkpoints(r))}
+    return max(newest, key=newest.get) if newest else None  # the first of equal times, as listdir gives them
 
 
 def _what(exc, base):

@@ -163,8 +163,7 @@ class RealProbe:
         self.build_probe, self.device, self.fraction, self.log = build_probe, indexed_device(device), fraction, log
         self.max_seq_len, self.vocab_size, self.amp_dtype, self.world_size = max_seq_len, vocab_size, amp_dtype, world_size
         self.is_cuda = self.device.type == "cuda"
-        self.model = self.optimizers = self.compiled_model = self.snapshot = None
-        self.prev_fraction = None
+        self.model = self.optimizers = self.compiled_model = self.snapshot = self.prev_fraction = None
         if self.is_cuda:
             self.kind = "real step on CUDA, peak = max_memory_reserved"
 
