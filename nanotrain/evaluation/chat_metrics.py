@@ -137,8 +137,7 @@ def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, nu
     rank, world = rank_world()
     mine = conversations[rank::world]
     ids = list(range(len(conversations)))[rank::world]
-    rows = []
-    passk = 0.0
+    rows, passk = [], 0.0
     categorical = name in TASKS and TASKS[name].kind == "categorical"
     if categorical:
         letters, scores = score_multiple_choice(model, tokenizer, mine, batch_size, autocast_ctx, with_scores=True)

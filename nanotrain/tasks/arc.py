@@ -7,18 +7,16 @@ gold letter. A row labelled "1".."5" (a few rows on the hub) gets the letters A.
 Rows in nanochat's order per hub split (numpy.random.default_rng(42).permutation, as datasets' shuffle(seed=42)).
 """
 
-from nanotrain.tasks.common import Task, load_hub_rows, load_test_set, mc_conversation, render_rows
+from nanotrain.tasks.common import MultipleChoice, load_hub_rows, load_test_set, mc_conversation, render_rows
 
 REPO = "allenai/ai2_arc"
 HUB_SPLIT = {"train": "train", "val": "validation"}
 
 
-class ARC(Task):
+class ARC(MultipleChoice):
     """ARC over the hub configs `configs` (see the module docstring); categorical, chance 0.25 (nanochat's).
     load(split, source): "test" (benchmarks only: source "auto", "hub", "pinned" or a folder) or "train"/"val" (source
     "hub" or a folder); returns (conversations, skipped)."""
-    kind = "categorical"
-    chance = 0.25
 
     def __init__(self, name, configs):
         self.name, self.configs = name, configs
@@ -53,6 +51,3 @@ class ARC(Task):
             out += convs
             skipped += bad
         return out, skipped
-
-    def grade(self, conversation, reply):
-        return reply.strip() == conversation["answer"]

@@ -56,6 +56,16 @@ class Task:
             raise UserError(f"task {self.name}: split={split!r}; expected one of {', '.join(self.splits)}")
 
 
+class MultipleChoice(Task):
+    """A multiple-choice benchmark (ARC, MMLU): categorical, chance 0.25 (nanochat's), its conversations made by
+    mc_conversation; a reply is right when it is the gold letter (surrounding whitespace aside)."""
+    kind = "categorical"
+    chance = 0.25
+
+    def grade(self, conversation, reply):
+        return reply.strip() == conversation["answer"]
+
+
 # ----------------------------------------------------------------------------- grading shared by tasks
 
 def grade_last_line(conversation, reply):

@@ -5,16 +5,14 @@ MMLU (Hendrycks et al. 2021; the Hugging Face data set cais/mmlu, config "all"),
   mmlu_aux  the training source: auxiliary_train (~100K rows; val: the validation split)
 """
 
-from nanotrain.tasks.common import Task, load_hub_rows, load_test_set, mc_conversation, render_rows
+from nanotrain.tasks.common import MultipleChoice, load_hub_rows, load_test_set, mc_conversation, render_rows
 
 REPO = "cais/mmlu"
 
 
-class MMLU(Task):
+class MMLU(MultipleChoice):
     """MMLU with `hub_splits` {our split: the hub's split} (see the module docstring); categorical, chance 0.25.
     load(split, source): "test" from "auto", "hub", "pinned" or a folder; "train"/"val" from "hub" or a folder."""
-    kind = "categorical"
-    chance = 0.25
     hub_test = (REPO, "all", "test")
 
     def __init__(self, name, hub_splits):
@@ -35,6 +33,3 @@ class MMLU(Task):
             return load_test_set(self, source or "auto")
         rows = load_hub_rows(REPO, "all", self.hub_splits[split], source or "hub")
         return render_rows(self.to_conversation, rows, f"{self.name} ({REPO} all {self.hub_splits[split]})")
-
-    def grade(self, conversation, reply):
-        return reply.strip() == conversation["answer"]
