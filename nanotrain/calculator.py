@@ -56,8 +56,7 @@ def _eval(node):
             and isinstance(node.func.value, ast.Constant) and isinstance(node.func.value.value, str)
             and len(node.args) == 1 and not node.keywords
             and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-        text, sub = _eval(node.func.value), _eval(node.args[0])
-        return text.count(sub)
+        return _eval(node.func.value).count(_eval(node.args[0]))
     raise _Refused(f"{type(node).__name__} is not allowed")
 
 

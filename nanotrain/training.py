@@ -60,9 +60,7 @@ def resolve_activation_checkpointing(setting, device, discovered):
     given or fixed batch size, or CPU/MPS, where the fake-tensor probes are cheap but the recompute is not). A given
     setting is returned as it is (nanotrain.gpt.policy_name checks it). Returns a str or the given value.
     """
-    if setting:
-        return setting
-    return "auto" if torch.device(device).type == "cuda" and discovered else "none"
+    return setting or ("auto" if torch.device(device).type == "cuda" and discovered else "none")
 
 
 def grad_accum_steps_for(total_batch_size, device_batch_size, max_seq_len, world_size):
@@ -190,12 +188,8 @@ def is_oom_error(exc):
     OOM_MESSAGES (CUDA, ROCm/HIP, XPU, MPS, CPU allocator). Everything else is False and must propagate: treating any
     error as "too big" hides real bugs (Lightning's is_oom_error only knows CUDA and misses XPU and MPS).
     """
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    msg = str(exc)
-    return any(marker in msg for marker, _ in OOM_MESSAGES)
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker, _ in OOM_MESSAGES))
 
 
 def micro_batches(inputs, targets, micro_batch_size):

@@ -74,16 +74,14 @@ class NanotrainConfig(PretrainedConfig):
         self.layer_types = ["sliding_attention" if window_pattern[i % len(window_pattern)] == "S" and i < n_layer - 1
                             else "full_attention" for i in range(n_layer)]
         self.sliding_window = self.short_window + 1 if "sliding_attention" in self.layer_types else None
-        kwargs.pop("layer_types", None)
-        kwargs.pop("sliding_window", None)
         self.max_seq_len, self.vocab_size, self.n_layer = max_seq_len, vocab_size, n_layer
         self.n_head, self.n_kv_head, self.model_dim = n_head, n_kv_head, model_dim
         self.value_embeds = value_embeds
         self.rotary_base, self.qk_scale = float(rotary_base), float(qk_scale)
         self.head_dim = model_dim // n_head
-        kwargs.pop("max_position_embeddings", None)
-        kwargs.pop("head_dim", None)
         self.max_position_embeddings = 10 * max_seq_len
+        for derived in ("layer_types", "sliding_window", "max_position_embeddings", "head_dim"):  # recomputed above
+            kwargs.pop(derived, None)
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 
