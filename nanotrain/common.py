@@ -495,9 +495,9 @@ def fast_bf16(device):
     """
     kind = torch.device(device).type
     if kind not in _FAST_BF16:
-        if kind == "cuda":
-            _FAST_BF16[kind] = True
-        elif kind == "cpu":
+        if kind != "cpu":
+            _FAST_BF16[kind] = kind == "cuda"  # always on CUDA, never on other devices
+        else:
             from torch.utils._python_dispatch import _disable_current_modes
             with _disable_current_modes():  # real tensors even when first asked inside a fake-tensor memory probe
                 flags = cpu_flags()
@@ -510,6 +510,4 @@ def fast_bf16(device):
                 # replicas must run the same numerics: False unless every rank found fast bf16 (reduced inside the
                 # guard: under a fake mode .item() of a real tensor is refused)
                 _FAST_BF16[kind] = all_reduce_scalar(fast, "min", "cpu") > 0
-        else:
-            _FAST_BF16[kind] = False
     return _FAST_BF16[kind]

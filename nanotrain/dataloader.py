@@ -281,10 +281,8 @@ class TokenLoader:
         Raises StopIteration at the end of a non-looping loader.
         """
         T = self.max_seq_len
-        if self.buffered:
-            tokens = np.concatenate([self._best_fit_row() for _ in range(batch_size)])
-        else:
-            tokens = self._take(batch_size * (T + 1))
+        tokens = (np.concatenate([self._best_fit_row() for _ in range(batch_size)]) if self.buffered
+                  else self._take(batch_size * (T + 1)))
         if len(tokens) < batch_size * (T + 1):
             raise StopIteration
         rows = torch.from_numpy(tokens).view(batch_size, T + 1)

@@ -54,6 +54,4 @@ def evaluate_bpb(model, batches, steps, token_bytes, autocast_ctx=None, stop=Non
         both = torch.stack([total_nats, total_bytes])
         dist.all_reduce(both, op=dist.ReduceOp.SUM)
         total_nats, total_bytes = both[0], both[1]
-    if total_bytes.item() == 0:
-        return float("inf")
-    return (total_nats / (math.log(2) * total_bytes)).item()
+    return float("inf") if total_bytes.item() == 0 else (total_nats / (math.log(2) * total_bytes)).item()

@@ -267,11 +267,7 @@ def save_due(step, last_step, save_every, resume_step=None):
     `save_every` steps (<= 0: never), except at step 0 and at `resume_step`, the step a resumed run starts from,
     whose checkpoint exists already (None: a fresh run). The one rule every stage saves by.
     """
-    if step == 0:
-        return False
-    if last_step:
-        return True
-    return save_every > 0 and step % save_every == 0 and step != resume_step
+    return step != 0 and (last_step or (save_every > 0 and step % save_every == 0 and step != resume_step))
 
 
 def check_replicas(model):

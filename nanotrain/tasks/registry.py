@@ -72,13 +72,10 @@ def parse_task_spec(spec):
                     f"{'|'.join(HUB_SOURCES)}:PATH[:WEIGHT], jsonl:PATH[:WEIGHT] or hf:NAME_OR_PATH[:WEIGHT], and "
                     f"WEIGHT a number > 0")
         kind, _, rest = part.partition(":")
-        if kind in HUB_SOURCES and rest and not re.fullmatch(number, rest):  # NAME:PATH[:WEIGHT]
-            head, sep, tail = rest.rpartition(":")
+        if kind in ("jsonl", "hf") or (kind in HUB_SOURCES and rest and not re.fullmatch(number, rest)):
+            head, sep, tail = rest.rpartition(":")  # KIND:PATH[:WEIGHT]
             arg, raw = (head, tail) if sep and re.fullmatch(number, tail) else (rest, "1")
-        elif kind in ("jsonl", "hf"):
-            head, sep, tail = rest.rpartition(":")
-            arg, raw = (head, tail) if sep and re.fullmatch(number, tail) else (rest, "1")
-            if not arg:
+            if not arg and kind in ("jsonl", "hf"):
                 raise UserError(f"task mixture part {part!r}: missing the {kind} path or name; {expected}")
         else:
             raw, arg = rest or "1", None
