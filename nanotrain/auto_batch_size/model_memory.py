@@ -17,18 +17,14 @@ def device_memory_bytes(device):
     """
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return meminfo_available() if device.type == "cpu" else None
-
-
-def meminfo_available():
-    """The kernel's MemAvailable in bytes (/proc/meminfo, Linux), or None where there is no such line or file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
     return None
 
 

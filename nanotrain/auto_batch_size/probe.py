@@ -13,7 +13,6 @@ import os
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from nanotrain.auto_batch_size.model_memory import meminfo_available
 from nanotrain.common import indexed_device, print0
 from nanotrain.errors import UserError
 from nanotrain.training import forward_backward, is_oom_error, optimizer_step
@@ -266,9 +265,13 @@ def _empty_cache_guarded():
 
 def _mem_available_bytes():
     """MemAvailable from /proc/meminfo (Linux), else the physical memory from sysconf (macOS/BSD), else None."""
-    avail = meminfo_available()
-    if avail is not None:
-        return avail
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
