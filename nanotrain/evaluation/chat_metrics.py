@@ -97,8 +97,7 @@ def score_multiple_choice(model, tokenizer, conversations, batch_size=8, autocas
                 letter_ids[letter] = ids[0]
     prompts = [tokenizer.render_for_completion(c)[-model.rotary_len:] for c in conversations]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out = [None] * len(prompts)
-    scores = [None] * len(prompts)
+    out, scores = [None] * len(prompts), [None] * len(prompts)
     with eval_mode(model):
         for lo in range(0, len(order), batch_size):
             rows = order[lo:lo + batch_size]
@@ -184,10 +183,9 @@ def score_task(model, tokenizer, engine, name, conversations, max_tokens=512, nu
     if num_samples > 1 and not categorical:
         out[f"pass@{num_samples}"] = passk / total if total else 0.0
     if rank == 0 and rows:
-        first = rows[0]
         content = mine[0]["messages"][0 if categorical else -2]["content"]
         out["example"] = {"prompt": (content if isinstance(content, str) else str(content))[:500],
-                          "reply": first["reply"][:500]}
+                          "reply": rows[0]["reply"][:500]}
     if log_samples and rank == 0:
         out["samples"] = sorted(rows, key=lambda r: r["doc_id"])
     return out

@@ -60,12 +60,8 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
     if missing or unexpected or wrong:
         raise UserError(f"cannot export to {path}: the weights do not match the model config {config} (missing "
                         f"{missing[:3]}, unexpected {unexpected[:3]}, wrong shape {wrong[:3]})")
-    tensors = {}
-    for key, t in state.items():
-        t = t.detach().to("cpu")
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        tensors[key] = t.contiguous()
+    cast = lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    tensors = {key: cast(t.detach().to("cpu")).contiguous() for key, t in state.items()}
     stored = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()})
     meta = {"format": FORMAT, "model_config": json.dumps(config, sort_keys=True), "dtype": ",".join(stored),
             "nanotrain_version": nanotrain.__version__}

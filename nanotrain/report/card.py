@@ -11,6 +11,7 @@ written atomically. matplotlib keeps its caches in <base_dir>/matplotlib unless 
     python -m nanotrain.report <run_name>      # (re)writes every stage's section it finds, prints the report path
 """
 
+import contextlib
 import json
 import os
 import platform
@@ -56,13 +57,10 @@ def system_info():
     if torch.cuda.is_available():
         device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     else:
-        device = "CPU"
-        try:
-            with open("/proc/cpuinfo") as f:
-                names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-            device = names[0] if names else platform.processor() or "CPU"
-        except OSError:
-            device = platform.processor() or "CPU"
+        names = []
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        device = names[0] if names else platform.processor() or "CPU"
     return {"device": device, "cores": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "git_commit": git_commit()}
 
