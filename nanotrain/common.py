@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanotrain.errors import OS_ERRNOS, UserError, base_dir_setting, os_error_line, path_kind
+from nanotrain.errors import OS_ERRNOS, UserError, base_dir_setting, os_error_line, path_kind, replacing
 
 # CUDA caching allocator: expandable segments (grow a segment instead of allocating a new one) cut fragmentation when
 # shapes vary (eval vs train, packed SFT rows, the auto batch size probes). Read when CUDA's allocator starts, so it is
@@ -309,21 +309,11 @@ def atomic_write_text(path, text):
     write fails (an OSError, e.g. a full disk, or KeyboardInterrupt) the temp file is removed and the error raised,
     an OSError naming `path` (not the temp file); `path` is untouched.
     """
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp):
-            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path) from exc
-        raise
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with replacing(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write_json(path, obj):

@@ -1,8 +1,8 @@
 """
 The errors a script reports as one line instead of a traceback: UserError (bad input: a flag, a file, a setting) and
 the operating system's errors on the script's own paths (a full disk, a read-only file system, no permission, a file
-where a directory belongs), with the line that names the path and says what to do. The ground floor: this module
-imports nothing of nanotrain. nanotrain.common.run_script turns them into `error: ...` and an exit code.
+where a directory belongs), with the line that names the path and says what to do; and replacing, a file written
+through a temp file whose errors name the file itself. The ground floor: this module imports nothing of nanotrain. nanotrain.common.run_script turns them into `error: ...` and an exit code.
 """
 
 import contextlib
@@ -115,3 +115,23 @@ def os_errors_name(path):
                 raise
             name = os.path.join(head, tail[:cut])
         raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), name) from exc
+
+
+@contextlib.contextmanager
+def replacing(path, suffix=""):
+    """
+    Yields a temp file path beside `path` (<path>.tmp<pid><suffix>) for the block to write; when the block ends, the
+    temp file replaces `path` (os.replace: never a torn file). If the block raises (an OSError, e.g. a full disk, or
+    KeyboardInterrupt) the temp file is removed and the error raised, an OSError naming `path` (not the temp file)
+    when it named no file or the temp file; `path` is untouched.
+    """
+    tmp = f"{path}.tmp{os.getpid()}{suffix}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp):
+            raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), path) from exc
+        raise

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from nanotrain.common import all_reduce_scalar, any_rank, atomic_write_json, get_base_dir, is_distributed, print0
 from nanotrain.downloads import behind_proxy, check_reachable
-from nanotrain.errors import UserError, os_errors_name
+from nanotrain.errors import UserError, os_errors_name, replacing
 from nanotrain.fsdp import is_fsdp
 
 try:  # POSIX (Linux, macOS); elsewhere runs are not locked
@@ -135,15 +135,8 @@ class MetricsLog:
                                     f"resume again")
                 if row["step"] < resume_step or (row["step"] == resume_step and "dt" in row):
                     keep.append(line)
-            tmp = self.path + ".tmp"
-            try:
-                with os_errors_name(self.path), open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
-                    f.writelines(keep)
-                os.replace(tmp, self.path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
+            with replacing(self.path) as tmp, open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f:
+                f.writelines(keep)
         self.file = open(self.path, "a")
 
     def log(self, **row):

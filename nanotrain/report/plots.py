@@ -8,7 +8,7 @@ import json
 import os
 
 from nanotrain.common import get_base_dir
-from nanotrain.errors import UserError, os_errors_name
+from nanotrain.errors import UserError, replacing
 
 
 def read_metrics(run_dir):
@@ -45,17 +45,9 @@ def _save_png(fig, out_dir, name, written):
     to `written`; on any error the temp file is removed and the error raised (an OSError without a file name, e.g. a
     full disk, then names the PNG)."""
     import matplotlib.pyplot as plt
-    path = os.path.join(out_dir, name)
-    tmp = f"{path}.tmp{os.getpid()}.png"
     fig.tight_layout()
-    try:
-        with os_errors_name(path):
-            fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with replacing(os.path.join(out_dir, name), ".png") as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
     written.append(name)
 
