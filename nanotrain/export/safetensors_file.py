@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 import nanotrain
-from nanotrain.errors import UserError
+from nanotrain.errors import UserError, replacing
 from nanotrain.gpt import GPT, GPTConfig, build_model
 
 FORMAT = "nanotrain-gpt-2"  # 2: value embeddings, smear, backout, lambdas in the model
@@ -66,10 +66,8 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
     meta = {"format": FORMAT, "model_config": json.dumps(config, sort_keys=True), "dtype": ",".join(stored),
             "nanotrain_version": nanotrain.__version__}
     meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with replacing(path) as tmp:
         try:
             save_file(tensors, tmp, metadata=meta)
         except SafetensorError as exc:  # "... I/O error: No space left on device (os error 28)"
@@ -77,10 +75,6 @@ def export_safetensors(model_or_state_dict, model_config, path, dtype=None, meta
             if code is None:
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from exc
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
     return path
 
 
