@@ -19,7 +19,7 @@ import tempfile
 import time
 import warnings
 
-from nanotrain.common import get_base_dir
+from nanotrain.common import atomic_write_json, get_base_dir
 from nanotrain.errors import UserError
 
 BUILTIN_SEED = 42  # shuffle seed of the builtin corpus
@@ -148,8 +148,7 @@ def build_builtin_corpus():
         marker = {"docs": len(docs), "train_docs": len(train), "val_docs": len(val),
                   "chars": sum(len(d) for d in docs), "sha256": content_hash(docs), "shards": shards,
                   "build_seconds": round(time.time() - t0, 3), "python": sys.version.split()[0]}
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump(marker, f, indent=2)
+        atomic_write_json(os.path.join(tmp, MARKER), marker)
         os.rename(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -26,7 +26,7 @@ import re
 import sys
 import tokenize
 
-from nanotrain.common import print0
+from nanotrain.common import die, print0
 
 SETTING_TYPES = (int, float, bool, str, type(None))
 LITERAL_ERRORS = (ValueError, SyntaxError, TypeError, MemoryError, RecursionError)  # ast.literal_eval on any text
@@ -365,9 +365,7 @@ def configure(g, argv=None, none_types=None, rules=None):
         final = apply_overrides(settings, argv, none_types)
         validate(final, settings, rules)
     except ConfigError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        die(str(e))  # `error: ...` on rank 0, exit code 2
     for k, v in final.items():
         if v != settings[k] or type(v) is not type(settings[k]):
             print0(f"Overriding: {k} = {v!r}", file=sys.stderr)  # stderr: keeps a one-shot answer on stdout clean

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from nanotrain.common import any_rank, get_base_dir, get_dist_info, print0
+from nanotrain.common import any_rank, atomic_write_json, get_base_dir, get_dist_info, print0
 from nanotrain.durable import commit, fsync_path, is_complete, recover
 from nanotrain.errors import UserError
 
@@ -103,10 +103,7 @@ def write_marker(folder, marker, info):
     JSON-able dict) with "files": file_manifest(folder) of every other file, fsynced with the directory. Returns the
     manifest. Raises OSError."""
     files = file_manifest(folder, skip=(marker,))
-    with open(os.path.join(folder, marker), "w") as f:
-        json.dump(dict(info, files=files), f)
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write_json(os.path.join(folder, marker), dict(info, files=files))
     fsync_path(folder)
     return files
 
