@@ -82,14 +82,10 @@ def pack_conversations(convs, device="cpu"):
     """
     if not convs:
         raise ValueError("pack_conversations: no conversation")
-    xs, ys, ds = [], [], []
-    for i, (ids, mask) in enumerate(convs):
-        x, y = conversation_xy(ids, mask)
-        xs.append(x)
-        ys.append(y)
-        ds.append(np.full(len(x), i, dtype=np.int64))
+    xy = [conversation_xy(ids, mask) for ids, mask in convs]
     as_row = lambda parts: torch.from_numpy(np.concatenate(parts))[None].to(device)
-    return as_row(xs), as_row(ys), as_row(ds)
+    return (as_row([x for x, _ in xy]), as_row([y for _, y in xy]),
+            as_row([np.full(len(x), i, dtype=np.int64) for i, (x, _) in enumerate(xy)]))
 
 
 def pad_conversations(convs, pad_id, device="cpu"):

@@ -214,12 +214,11 @@ def auto_batch_text(record):
     """One paragraph summarising an auto_batch_size.json record (found size, probes, cache hit, budget)."""
     if not record:
         return "not used (device_batch_size set by hand or the fixed default)"
-    gib = 1024 ** 3
     probes = ", ".join(f"{p['batch_size']}: {p['result']}" for p in record.get("probes", []))
     budget = record.get("budget_bytes")
     text = (f"device_batch_size **{record.get('device_batch_size')}** (grad_accum_steps "
             f"{record.get('grad_accum_steps')}) | cache {'hit' if record.get('cache_hit') else 'miss'} | budget "
-            f"{budget / gib:.2f} GiB x margin {record.get('margin')} | measurement: {record.get('measurement')} | "
+            f"{budget / 2**30:.2f} GiB x margin {record.get('margin')} | measurement: {record.get('measurement')} | "
             f"{len(record.get('probes', []))} probes ({probes})" if budget else f"record: {record}")
     if record.get("step_downs"):
         text += f" | OOM step-downs [step, from, to]: {record['step_downs']}"
