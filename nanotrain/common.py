@@ -415,14 +415,11 @@ def cpu_flags(path="/proc/cpuinfo"):
     The CPU's feature flags (a set of str, e.g. {"avx512f", "avx512_bf16", ...}) from the first "flags" line of
     `path` (Linux on x86), or None where there is no such line or file (macOS; ARM Linux lists "Features" instead).
     """
-    try:
-        with open(path, errors="replace") as f:
-            for line in f:
-                key, sep, value = line.partition(":")
-                if sep and key.strip() == "flags":
-                    return set(value.split())
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        for line in f:
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "flags":
+                return set(value.split())
     return None
 
 

@@ -3,6 +3,8 @@ Whether a model can be trained on this device at all, decided before any of its 
 from a build on the meta device (free), against the device's memory.
 """
 
+import contextlib
+
 import torch
 
 from nanotrain.errors import UserError
@@ -18,13 +20,10 @@ def device_memory_bytes(device):
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            return None
+        with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     return None
 
 
