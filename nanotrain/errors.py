@@ -2,7 +2,8 @@
 The errors a script reports as one line instead of a traceback: UserError (bad input: a flag, a file, a setting) and
 the operating system's errors on the script's own paths (a full disk, a read-only file system, no permission, a file
 where a directory belongs), with the line that names the path and says what to do; and replacing, a file written
-through a temp file whose errors name the file itself. The ground floor: this module imports nothing of nanotrain. nanotrain.common.run_script turns them into `error: ...` and an exit code.
+through a temp file whose errors name the file itself. The ground floor: this module imports nothing of nanotrain.
+nanotrain.common.run_script turns them into `error: ...` and an exit code.
 """
 
 import contextlib
