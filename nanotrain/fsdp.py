@@ -78,8 +78,8 @@ def shard_model(model, device, compute_dtype, compile_backend=None):
 def gathered_root(model):
     """
     Keeps the root's own parameters (wte, lm_head) all-gathered inside the block, for code that calls
-    model.forward directly instead of model(...) (nanotrain.engine.Engine's KV-cache decoding), which skips the root's FSDP hooks; the blocks
-    gather theirs in their own hooks as always. Collective: every rank must enter it and run the same forwards.
+    model.forward directly instead of model(...) (nanotrain.engine.Engine's KV-cache decoding), which skips the
+    root's FSDP hooks; the blocks gather theirs in their own hooks as always. Collective: every rank must enter it and run the same forwards.
     A no-op for a model that is not sharded.
     """
     if not is_fsdp(model):
