@@ -24,7 +24,7 @@ Endpoints:
                              scores log-likelihood tasks on the native checkpoint (a text prompt starts with <|bos|>).
   GET /v1/models, GET /health (503 once an engine's process has died), GET / (the chat page, scripts/chat_serve.html: no build step, nothing from a CDN).
 Requests are decoded together with continuous batching (nanotrain.serve.batch_engine: a request joins the running
-batch at the next decode step, --max_batch rows at most (by default what the KV cache's memory allows, at most 16 on a CPU and
+batch at the next decode step, --max_batch rows at most (by default what the KV cache's memory allows, at most 64 on a CPU and
 256 on a GPU: printed at start), --max_queue more waiting, beyond that 429; a long prompt is prefilled
 --prefill_chunk tokens per step between decode steps; on CUDA the decode step is a CUDA graph), in a process of its own
 (nanotrain.serve.engine_process.EngineProcess: the model's forward never waits for the HTTP loop's GIL); with --num_gpus=N
@@ -75,7 +75,7 @@ port = 8000  # the TCP port; 0 picks a free one (printed)
 api_key = ""  # require `Authorization: Bearer <api_key>`; "" reads NANOTRAIN_API_KEY, and none of both means no key
 max_tokens = 0  # new tokens at most of a reply whose request does not say; 0: up to the end of the context
 context_len = 0  # tokens a request may hold (prompt + reply); 0 is the model's max_seq_len (at most 10x it)
-max_batch = 0  # requests decoded together at most (KV cache rows); 0: from the KV cache's memory, <= 16 on a CPU, 256 on a GPU
+max_batch = 0  # requests decoded together at most (KV cache rows); 0: from the KV cache's memory, <= 64 on a CPU, 256 on a GPU
 max_queue = 0  # requests waiting for a free row at most, more are answered 429; 0: 2 x max_batch
 prefill_chunk = 256  # prompt tokens prefilled per decode step at most: a longer prompt goes in chunks between steps
 compile_decode = True  # on CUDA, the decode step through torch.compile(mode="reduce-overhead") (CUDA graphs)

@@ -1,6 +1,7 @@
 """
 Inference benchmark of an OpenAI-compatible server (scripts/chat_serve.py or any other): N concurrent streaming clients
-(the `openai` SDK's AsyncOpenAI) send the same prompts with greedy decoding and a fixed max_tokens every round, at each
+(httpx, each chunk parsed with json.loads: a lean load generator, as vLLM's benchmark_serving uses aiohttp, since on a
+small machine the client shares the cores with the server; the openai SDK's typed chunks cost ~3x the CPU) send the same prompts with greedy decoding and a fixed max_tokens every round, at each
 N of --concurrency, with ignore_eos (the server's extension, as vLLM's: every reply max_tokens long); reported per
 N: time to first token (ttft) p50 and p90 in seconds, per-stream decode tokens/s
 (the completion's tokens after the first over the time after the first piece), aggregate tokens/s (every stream's
@@ -48,18 +49,28 @@ PROMPTS = ["What is 17 + 25?", "Name a colour.", "Spell the word cat.", "Who are
 
 
 async def one_stream(client, prompt):
-    """(ttft seconds, completion tokens, decode seconds after the first piece) of one streaming request."""
+    """(ttft seconds, completion tokens, decode seconds after the first piece) of one streaming request: its
+    Server-Sent Events read line by line and each `data:` chunk parsed with json.loads (OpenAI's chunk format)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     t0 = time.perf_counter()
     first, tokens = None, None
-    stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}],
-                                                  max_tokens=max_tokens, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True},
-                                                  extra_body={"ignore_eos": True} if ignore_eos else None)
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and first is None:
-            first = time.perf_counter()
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+    async with client.stream("POST", url.rstrip("/") + "/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise UserError(f"--url={url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise UserError(f"--url={url}: the stream ended with an error: {chunk['error']}")
+            choices = chunk.get("choices")
+            if choices and choices[0]["delta"].get("content") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     if tokens is None:
         raise UserError(f"--url={url}: the stream sent no usage chunk (stream_options.include_usage)")
@@ -67,12 +78,12 @@ async def one_stream(client, prompt):
 
 
 async def one_round(n):
-    import openai
-    client = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=600)
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)]) for i in range(n)))
-    wall = time.perf_counter() - t0
-    await client.close()
+    import httpx
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}, timeout=600,
+                                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(client, PROMPTS[i % len(PROMPTS)]) for i in range(n)))
+        wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in results)
     per_stream = [(p - 1) / d for _, p, d in results if p > 1 and d > 0]
     return {"ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],

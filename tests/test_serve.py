@@ -65,7 +65,7 @@ def server(shared_base_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server256(server):
     """chat_serve.py on the same checkpoint with every default but the CPU (the model's context of 256 tokens,
-    --max_batch from the KV cache's memory: 16 on a CPU, one engine); yields (base_url, base dir, what it printed before serving)."""
+    --max_batch from the KV cache's memory: 64 on a CPU, one engine); yields (base_url, base dir, what it printed before serving)."""
     _, base = server
     p, url = start_server(base, "tiny", "--device_type=cpu")
     try:
@@ -202,13 +202,13 @@ def test_16_concurrent_streams_each_equal_their_solo_reply(server):
 
 def test_the_defaults_decode_16_streams_together_each_equal_its_solo_reply(server256):
     """
-    The server with every default (a CPU: --max_batch from the KV cache's memory, at most 16, printed at start with
-    max_queue) and 16 streaming requests at once: the start-up line says max_batch 16, /health sees more than 8
+    The server with every default (a CPU: --max_batch from the KV cache's memory, at most 64, printed at start with
+    max_queue) and 16 streaming requests at once: the start-up line says max_batch 64, /health sees more than 8
     decoding at once, and each request streams exactly its solo greedy reply (Engine on the same checkpoint).
     Catches the old default of 8 rows (half of them wait), a default not printed, and rows mixed at that width.
     """
     url, base, seen = server256
-    assert "max_batch 16" in seen and "max_queue 32" in seen, seen
+    assert "max_batch 64" in seen and "max_queue 128" in seen, seen
     client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
     prompts = [f"Name {i} things." for i in range(16)]
     results, busiest = [None] * 16, [0]

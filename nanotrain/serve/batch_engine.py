@@ -54,7 +54,7 @@ def score_tokens(model, ids, k):
 
 
 KV_MEMORY_SHARE = {"cuda": 0.5, "cpu": 0.25}  # of the free memory after the model is loaded, the KV cache's at most
-MAX_BATCH_CAP = {"cuda": 256, "cpu": 16}  # default max_batch at most: a CPU's decode step grows with each row
+MAX_BATCH_CAP = {"cuda": 256, "cpu": 64}  # default max_batch at most: a CPU's decode step grows with each row
 
 
 def default_max_batch(model, context_len):
